@@ -1,0 +1,32 @@
+"""Short, stable renderings of tensors and groups for traces and error messages."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_DTYPE_ABBREVIATIONS = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+}
+
+
+def dtype_str(dtype: torch.dtype) -> str:
+    return _DTYPE_ABBREVIATIONS.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def tensor_str(t: torch.Tensor) -> str:
+    """``f32[8, 32]``: dtype and shape, never an address."""
+    return f"{dtype_str(t.dtype)}[{', '.join(str(s) for s in t.shape)}]"
+
+
+def group_str(group: dist.ProcessGroup) -> str:
+    """``group '3' (2 ranks)``: the c10d group name, stable within one program."""
+    return f"group {group.group_name!r} ({group.size()} ranks)"

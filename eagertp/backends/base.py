@@ -1,0 +1,22 @@
+"""What every backend shares: the consumer type and the buffer invariants."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# consumer(chunk, src_rank): called once per rank's chunk of the gathered tensor.
+ChunkConsumer = Callable[[torch.Tensor, int], None]
+
+
+def check_gather_buffers(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Internal invariants every backend relies on (the mode guarantees them)."""
+    assert shard.is_contiguous() and ag_out.is_contiguous(), (
+        f"all_gather_consume needs contiguous buffers, got strides {shard.stride()} "
+        f"and {ag_out.stride()}"
+    )
+    assert ag_out.shape[0] == shard.shape[0] * group.size() and (
+        ag_out.shape[1:] == shard.shape[1:]
+    ), f"ag_out {tuple(ag_out.shape)} is not shard {tuple(shard.shape)} gathered over {group.size()} ranks"

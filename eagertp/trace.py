@@ -1,0 +1,114 @@
+"""What eagertp saw and did: an ordered trace, counters, and ``explain()``.
+
+The trace is designed for inline expectations (expecttest): tensors that eagertp
+created are named by short ids in creation order (``$0``, ``$1``), other tensors
+by dtype and shape only, and nothing prints an address. A forward pass of a
+column-parallel linear on 2 ranks renders as::
+
+    $0: f32[8, 16] = all_gather(f32[4, 16], group '1' (2 ranks))
+    $1: f32[8, 32] = mm($0, f32[16, 32])
+    flush: aten.gelu.default read $1
+    all_gather_matmul($0 -> $1) [ring]
+
+Every record holds strings and numbers only, never tensors, and both logs are
+bounded (``max_records``), so a mode left on for thousands of steps does not grow.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+    """One all-gather or reduce-scatter the mode saw, and what became of it.
+
+    ``fused_with`` names the consumers it was fused with; otherwise ``reason``
+    says why it was issued unfused. Exactly one of the two is set once the
+    collective has been issued.
+    """
+
+    kind: str  # "all_gather" | "reduce_scatter"
+    index: int  # per-kind sequence number within the block
+    src: str  # rendered input, e.g. "f32[4, 16]"
+    dst: str  # rendered output
+    group: str
+    backend: str | None = None
+    fused_with: list[str] | None = None
+    reason: str | None = None
+
+    def render(self) -> str:
+        head = f"{self.kind} #{self.index} {self.src} -> {self.dst} on {self.group}"
+        if self.fused_with is not None:
+            return (
+                f"{head}: fused with {', '.join(self.fused_with)} [{self.backend}]"
+            )
+        assert self.reason is not None, f"{head} was never issued"
+        via = f" [{self.backend}]" if self.backend else ""
+        return f"{head}: not fused{via}: {self.reason}"
+
+
+@dataclasses.dataclass
+class Event:
+    """One line of the ordered trace."""
+
+    text: str
+
+    def render(self) -> str:
+        return self.text
+
+
+class Trace:
+    """Bounded, ordered trace of events plus the per-collective records."""
+
+    def __init__(self, *, max_records: int) -> None:
+        self.events: collections.deque[Event] = collections.deque(maxlen=max_records)
+        self.collectives: collections.deque[CollectiveRecord] = collections.deque(
+            maxlen=max_records
+        )
+        self.dropped = 0  # collective records pushed out of the bounded log
+        self._next_index: collections.Counter[str] = collections.Counter()
+
+    def event(self, text: str) -> None:
+        self.events.append(Event(text))
+
+    def new_collective(
+        self, kind: str, *, src: str, dst: str, group: str
+    ) -> CollectiveRecord:
+        record = CollectiveRecord(
+            kind, self._next_index[kind], src=src, dst=dst, group=group
+        )
+        self._next_index[kind] += 1
+        if len(self.collectives) == self.collectives.maxlen:
+            self.dropped += 1
+        self.collectives.append(record)
+        return record
+
+    def mark_unfused(
+        self, record: CollectiveRecord, reason: str, backend: str | None = None
+    ) -> None:
+        record.reason = reason
+        record.backend = backend
+        log.debug("eagertp: %s", record.render())
+
+    def mark_fused(
+        self, record: CollectiveRecord, fused_with: list[str], backend: str
+    ) -> None:
+        record.fused_with = fused_with
+        record.backend = backend
+        log.debug("eagertp: %s", record.render())
+
+    def debug_string(self) -> str:
+        return "\n".join(e.render() for e in self.events)
+
+    def explain(self) -> str:
+        if not self.collectives and not self.dropped:
+            return "eagertp: no all-gather or reduce-scatter seen on a managed group"
+        lines = [r.render() for r in self.collectives]
+        if self.dropped:
+            lines.insert(0, f"({self.dropped} earlier records dropped)")
+        return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""Inputs and probes shared by the multi-rank tests (imported inside workers)."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.utils._python_dispatch import TorchDispatchMode
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def integer_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Small integers: every matmul over them is exact, so fused == eager bitwise."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).to(dtype)
+
+
+def random_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def all_gather(x: torch.Tensor, group, gather_dim: int = 0) -> torch.Tensor:
+    return funcol.all_gather_single(x, gather_dim, group)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op that reaches it. Entered *outside* EagerMicroPipeline, it
+    sees what eagertp actually issued: its point-to-point ring and the plain ops
+    it let through, never the collectives it deferred."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def unfused_all_gathers(self) -> int:
+        return self.counts["_c10d_functional.all_gather_into_tensor.default"] + self.counts[
+            "c10d._allgather_base_.default"
+        ]
+
+    @property
+    def p2p(self) -> int:
+        return self.counts["c10d.send.default"] + self.counts["c10d.recv_.default"]

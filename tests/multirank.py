@@ -1,0 +1,142 @@
+"""A pool of gloo worker processes kept alive across tests.
+
+Importing torch dominates the cost of a multi-rank test on 2 cores, so the pool
+starts WORLD processes once per session. ``pool.run(fn, world_size, *args)``
+runs ``fn(rank, group, *args)`` on ranks ``0 .. world_size - 1`` (``group`` is a
+gloo group of exactly those ranks) and returns the per-rank results.
+
+Every test is bounded in time twice over: each collective has the process
+group's timeout (``COLLECTIVE_TIMEOUT``), and ``run`` gives up after ``timeout``
+seconds, kills the workers and fails the test. After any failure the pool is
+restarted, so one broken test cannot leave a half-finished collective behind
+for the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+WORLD = 4
+COLLECTIVE_TIMEOUT = timedelta(seconds=20)
+TEST_TIMEOUT = 60.0  # seconds, per run()
+
+
+class RankError(AssertionError):
+    """A worker raised; the message holds every failing rank's traceback."""
+
+
+@dataclasses.dataclass
+class _Job:
+    fn: Callable[..., Any]
+    world_size: int
+    args: tuple
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    # Every rank must create every group, in the same order.
+    groups = {n: dist.new_group(list(range(n))) for n in (1, 2, 3)}
+    groups[WORLD] = dist.group.WORLD
+    conn.send("ready")
+    while True:
+        job = conn.recv()
+        if job is None:
+            break
+        if rank >= job.world_size:
+            conn.send(("idle", None))
+            continue
+        try:
+            conn.send(("ok", job.fn(rank, groups[job.world_size], *job.args)))
+        except BaseException:  # noqa: B036 - reported to the parent
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self) -> None:
+        self._procs: list[mp.Process] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(WORLD):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, port, child), daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        deadline = time.monotonic() + 120
+        for conn in self._conns:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                self.close()
+                raise TimeoutError("gloo worker pool did not start within 120 s")
+            assert conn.recv() == "ready"
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs, self._conns = [], []
+
+    def restart(self) -> None:
+        for proc in self._procs:
+            proc.kill()
+        self.close()
+        self._start()
+
+    def run(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = TEST_TIMEOUT) -> list[Any]:
+        """``fn(rank, group, *args)`` on ``world_size`` ranks; their results in rank order."""
+        assert 1 <= world_size <= WORLD, f"world_size {world_size} not in 1..{WORLD}"
+        job = _Job(fn, world_size, args)
+        for conn in self._conns:
+            conn.send(job)
+        deadline = time.monotonic() + timeout
+        replies: list[tuple[str, Any] | None] = [None] * WORLD
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                self.restart()
+                raise TimeoutError(
+                    f"{fn.__name__} on {world_size} ranks: rank {rank} did not finish "
+                    f"within {timeout} s (hang); worker pool restarted"
+                )
+            replies[rank] = conn.recv()
+        errors = [f"--- rank {r} ---\n{rep[1]}" for r, rep in enumerate(replies) if rep[0] == "error"]
+        if errors:
+            self.restart()
+            raise RankError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(errors))
+        return [rep[1] for rep in replies[:world_size]]
