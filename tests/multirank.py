@@ -61,7 +61,7 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection) -
         timeout=COLLECTIVE_TIMEOUT,
     )
     # Every rank must create every group, in the same order.
-    groups = {n: dist.new_group(list(range(n))) for n in (1, 2, 3)}
+    groups = {n: dist.new_group(list(range(n)), timeout=COLLECTIVE_TIMEOUT) for n in (1, 2, 3)}
     groups[WORLD] = dist.group.WORLD
     conn.send("ready")
     while True:

@@ -1,0 +1,363 @@
+"""All-gather + matmul fusion on 2 and 4 gloo ranks.
+
+Every fusion test asserts three things: the result equals plain eager (bitwise
+on integer-valued inputs), the fused path ran (stats, and the point-to-point
+ring seen by an outer OpCounter), and the unfused collective did not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import DTYPES, OpCounter, all_gather, integer_tensor, random_tensor
+
+from eagertp import EagerMicroPipeline
+
+WORLDS = [2, 4]
+
+
+def _inputs(rank, shard_shape, n, dtype, integer, n_weights=1):
+    make = integer_tensor if integer else random_tensor
+    x = make(shard_shape, dtype, seed=rank)
+    ws = [make((shard_shape[-1], n), dtype, seed=100 + i) for i in range(n_weights)]
+    return x, ws
+
+
+def _fusion_report(pipe: EagerMicroPipeline, counter: OpCounter) -> dict:
+    return {
+        "stats": dict(pipe.stats),
+        "unfused_all_gathers_issued": counter.unfused_all_gathers,
+        "p2p_ops": counter.p2p,
+    }
+
+
+def _assert_fused(report: dict, *, calls: int, matmuls: int) -> None:
+    assert report["stats"].get("all_gather_matmul") == calls, report
+    assert report["stats"].get("fused_matmuls") == matmuls, report
+    assert report["stats"].get("unfused_all_gather", 0) == 0, report
+    assert report["unfused_all_gathers_issued"] == 0, report
+    assert report["p2p_ops"] > 0, report
+
+
+# -- 2-D mm, shapes and dtypes ---------------------------------------------------
+
+
+def _mm_worker(rank, group, shard_shape, n, dtype_name, integer, backend):
+    dtype = DTYPES[dtype_name]
+    x, (w,) = _inputs(rank, shard_shape, n, dtype, integer)
+    expected = all_gather(x, group) @ w
+    with OpCounter() as counter, EagerMicroPipeline(backend=backend) as pipe:
+        got = all_gather(x, group) @ w
+    return {"got": got, "expected": expected, **_fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize(
+    "shard_shape,n",
+    [((1, 8), 4), ((4, 16), 8), ((16, 32), 24)],
+    ids=["1row", "4rows", "16rows"],
+)
+def test_mm_integer_inputs_bitwise(pool, world, dtype, shard_shape, n):
+    for rank, r in enumerate(pool.run(_mm_worker, world, shard_shape, n, dtype, True, "ring")):
+        assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
+        _assert_fused(r, calls=1, matmuls=1)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_mm_random_inputs_close(pool, dtype):
+    for r in pool.run(_mm_worker, 2, (8, 64), 32, dtype, False, "ring"):
+        torch.testing.assert_close(r["got"], r["expected"])
+        _assert_fused(r, calls=1, matmuls=1)
+
+
+def test_reference_backend_fuses_same_pattern(pool):
+    for r in pool.run(_mm_worker, 2, (4, 16), 8, "f32", True, "reference"):
+        assert torch.equal(r["got"], r["expected"])
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}
+        # The reference backend is the plain collective by definition.
+        assert r["unfused_all_gathers_issued"] == 1 and r["p2p_ops"] == 0
+
+
+# -- several consumers, bias, ND linear ------------------------------------------
+
+
+def _qkv_worker(rank, group):
+    x, (wq, wk, wv) = _inputs(rank, (4, 16), 8, torch.float32, True, n_weights=3)
+    a = all_gather(x, group)
+    expected = [a @ wq, a @ wk, a @ wv]
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        a = all_gather(x, group)
+        q, k, v = a @ wq, a @ wk, a @ wv
+        scores = q @ k.t()  # reads q and k: the one flush that issues the fused call
+    return {
+        "got": [q, k, v],
+        "expected": expected,
+        "scores_ok": torch.equal(scores, expected[0] @ expected[1].t()),
+        "trace": pipe.debug_string(),
+        "explain": pipe.explain(),
+        **_fusion_report(pipe, counter),
+    }
+
+
+def test_qkv_projections_fuse_into_one_call(pool):
+    results = pool.run(_qkv_worker, 2)
+    for r in results:
+        assert all(torch.equal(g, e) for g, e in zip(r["got"], r["expected"]))
+        assert r["scores_ok"]
+        _assert_fused(r, calls=1, matmuls=3)
+    from expecttest import assert_expected_inline
+
+    assert_expected_inline(
+        results[0]["trace"],
+        """\
+$0: f32[8, 16] = all_gather(f32[4, 16], group '2' (2 ranks))
+$1: f32[8, 8] = mm($0, f32[16, 8])
+$2: f32[8, 8] = mm($0, f32[16, 8])
+$3: f32[8, 8] = mm($0, f32[16, 8])
+flush: aten.mm.default read $1
+all_gather_matmul($0 -> $1, $2, $3) [ring]""",
+    )
+    assert_expected_inline(
+        results[0]["explain"],
+        """all_gather #0 f32[4, 16] -> f32[8, 16] on group '2' (2 ranks): fused with mm -> $1, mm -> $2, mm -> $3 [ring]""",
+    )
+
+
+def _linear_worker(rank, group, shard_shape, bias, dtype_name):
+    dtype = DTYPES[dtype_name]
+    x, (w,) = _inputs(rank, shard_shape, 12, dtype, True)
+    w = w.t().contiguous()  # F.linear weight layout [out, in]
+    b = integer_tensor((12,), dtype, seed=7) if bias else None
+    expected = F.linear(all_gather(x, group), w, b)
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = F.linear(all_gather(x, group), w, b)
+    return {"got": got, "expected": expected, **_fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("shard_shape", [(3, 16), (2, 3, 16), (2, 2, 3, 16)], ids=["2d", "3d", "4d"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_linear_gather_dim0(pool, world, bias, shard_shape, dtype):
+    """F.linear reaches the mode as [view ->] mm/addmm [-> _unsafe_view]."""
+    for r in pool.run(_linear_worker, world, shard_shape, bias, dtype):
+        assert r["got"].shape == r["expected"].shape
+        assert torch.equal(r["got"], r["expected"])
+        _assert_fused(r, calls=1, matmuls=1)
+
+
+# -- autograd ------------------------------------------------------------------
+
+
+def _column_parallel_step(x_shard, w, group):
+    """Sequence-parallel input, column-parallel weight: all-gather then linear."""
+    y = F.linear(all_gather(x_shard, group), w)
+    return (y * y).sum()
+
+
+def _backward_worker(rank, group):
+    x0, (w0,) = _inputs(rank, (4, 16), 8, torch.float32, True)
+    w0 = w0.t().contiguous()
+
+    def grads(pipe):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if pipe is None:
+            loss = _column_parallel_step(x, w, group)
+            loss.backward()
+        else:
+            with pipe:
+                loss = _column_parallel_step(x, w, group)
+                loss.backward()
+        return loss.detach(), x.grad, w.grad
+
+    expected = grads(None)
+    pipe = EagerMicroPipeline()
+    got = grads(pipe)
+    return {"got": got, "expected": expected, "stats": dict(pipe.stats)}
+
+
+def test_backward_gradients_equal_plain_eager(pool):
+    """Autograd saved the placeholder for the weight gradient: filling it in
+    place (below autograd, no version bump) must give exact gradients."""
+    for r in pool.run(_backward_worker, 2):
+        for g, e in zip(r["got"], r["expected"]):
+            assert torch.equal(g, e)
+        assert r["stats"]["all_gather_matmul"] == 1
+        assert r["stats"]["fused_matmuls"] == 1
+
+
+# -- flush triggers --------------------------------------------------------------
+
+
+def _read_first_worker(rank, group):
+    x, (w,) = _inputs(rank, (2, 8), 4, torch.float32, True)
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        a = all_gather(x, group)
+        total = a.sum()  # a non-matmul reader: the gather is issued alone
+        y = a @ w
+    return {
+        "total_ok": torch.equal(total, all_gather(x, group).sum()),
+        "y_ok": torch.equal(y, all_gather(x, group) @ w),
+        "explain": pipe.explain(),
+        **_fusion_report(pipe, counter),
+    }
+
+
+def test_gather_read_by_non_matmul_first_is_issued_unfused_with_reason(pool):
+    results = pool.run(_read_first_worker, 2)
+    for r in results:
+        assert r["total_ok"] and r["y_ok"]
+        assert r["stats"] == {"unfused_all_gather": 1}
+        assert r["unfused_all_gathers_issued"] == 0, "materialised by the same ring protocol"
+    from expecttest import assert_expected_inline
+
+    assert_expected_inline(results[0]["explain"], """all_gather #0 f32[2, 8] -> f32[4, 8] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.sum.default read $0""")
+
+
+def _used_after_block_worker(rank, group):
+    x, ws = _inputs(rank, (4, 8), 6, torch.float32, True, n_weights=2)
+    with EagerMicroPipeline() as pipe:
+        a = all_gather(x, group)
+        outs = [a @ w for w in ws]  # never read inside the block
+    return {
+        "ok": [torch.equal(o, all_gather(x, group) @ w) for o, w in zip(outs, ws)],
+        "gathered_ok": torch.equal(a, all_gather(x, group)),
+        "stats": dict(pipe.stats),
+    }
+
+
+def test_results_used_after_the_block(pool):
+    for r in pool.run(_used_after_block_worker, 4):
+        assert r["ok"] == [True, True] and r["gathered_ok"]
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 2}
+
+
+def _flush_worker(rank, group):
+    x, (w,) = _inputs(rank, (4, 8), 6, torch.float32, True)
+    with EagerMicroPipeline() as pipe:
+        y = all_gather(x, group) @ w
+        pipe.flush()
+        after_flush = dict(pipe.stats)
+        z = all_gather(x, group) @ w
+    return {
+        "after_flush": after_flush,
+        "stats": dict(pipe.stats),
+        "ok": torch.equal(y, z) and torch.equal(y, all_gather(x, group) @ w),
+    }
+
+
+def test_explicit_flush_issues_fused_call(pool):
+    for r in pool.run(_flush_worker, 2):
+        assert r["ok"]
+        assert r["after_flush"] == {"all_gather_matmul": 1, "fused_matmuls": 1}
+        assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 2}
+
+
+class _BoomError(Exception):
+    pass
+
+
+def _exception_worker(rank, group):
+    import torch.distributed as dist
+
+    x, (w,) = _inputs(rank, (4, 8), 6, torch.float32, True)
+    raised = None
+    boom = _BoomError("boom")
+    try:
+        with EagerMicroPipeline() as pipe:
+            y = all_gather(x, group) @ w
+            if rank == 0:
+                raise boom  # while the gather and the matmul are pending
+    except _BoomError as e:
+        raised = e
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)  # the group still works
+    return {
+        "raised_same": raised is boom if rank == 0 else raised is None,
+        "y_ok": torch.equal(y, all_gather(x, group) @ w),
+        "stats": dict(pipe.stats),
+        "all_reduce": t.item(),
+    }
+
+
+def test_exception_inside_block_propagates_and_peers_complete(pool):
+    for rank, r in enumerate(pool.run(_exception_worker, 2)):
+        assert r["raised_same"], f"rank {rank}"
+        assert r["y_ok"], f"rank {rank}: pending work issued at exit"
+        assert r["stats"]["all_gather_matmul"] == 1
+        assert r["all_reduce"] == 2.0
+
+
+def _mixed_flush_worker(rank, group):
+    """Rank 0 reads the gathered tensor early; rank 1 fuses it (Invariant 2)."""
+    x, (w,) = _inputs(rank, (4, 8), 6, torch.float32, True)
+    with EagerMicroPipeline() as pipe:
+        a = all_gather(x, group)
+        if rank == 0:
+            print_me = a.sum()  # noqa: F841 - a read that forces the gather alone
+        y = a @ w
+    return {"ok": torch.equal(y, all_gather(x, group) @ w), "stats": dict(pipe.stats)}
+
+
+def test_ranks_that_flush_for_different_reasons_interoperate(pool):
+    r0, r1 = pool.run(_mixed_flush_worker, 2, timeout=30)
+    assert r0["ok"] and r1["ok"]
+    assert r0["stats"] == {"unfused_all_gather": 1}
+    assert r1["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}
+
+
+# -- profiler, verify --------------------------------------------------------------
+
+
+def _profiler_worker(rank, group):
+    x, (w,) = _inputs(rank, (4, 8), 6, torch.float32, True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with EagerMicroPipeline():
+            all_gather(x, group) @ w
+    return sorted({e.name for e in prof.events() if e.name.startswith("eagertp::")})
+
+
+def test_fused_call_visible_in_profiler(pool):
+    for names in pool.run(_profiler_worker, 2):
+        assert names == ["eagertp::all_gather_matmul"]
+
+
+def _verify_worker(rank, group, corrupt):
+    from eagertp import VerificationError
+    from eagertp.backends.ring import RingBackend
+
+    class CorruptingRing(RingBackend):
+        """The ring, then one wrong element in rank 0's copy of the gathered tensor."""
+
+        def all_gather_consume(self, shard, consumer, ag_out, group):
+            super().all_gather_consume(shard, consumer, ag_out, group)
+            if group.rank() == 0:
+                ag_out.view(-1)[0] += 1
+
+    x, (w,) = _inputs(rank, (4, 8), 6, torch.float32, True)
+    expected = all_gather(x, group) @ w
+    pipe = EagerMicroPipeline(verify=True)
+    if corrupt:
+        pipe._backend = CorruptingRing()
+    try:
+        with pipe:
+            y = all_gather(x, group) @ w
+    except VerificationError as e:
+        return {"error": str(e)}
+    return {"error": None, "ok": torch.equal(y, expected), "stats": dict(pipe.stats)}
+
+
+def test_verify_passes_on_correct_results(pool):
+    for r in pool.run(_verify_worker, 2, False):
+        assert r["error"] is None and r["ok"]
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}
+
+
+def test_verify_names_op_shapes_and_difference(pool):
+    r0, r1 = pool.run(_verify_worker, 2, True)
+    assert r1["error"] is None, "only rank 0 was corrupted"
+    from expecttest import assert_expected_inline
+
+    assert_expected_inline(r0["error"], """eagertp verify: all_gather f32[4, 8] -> f32[8, 8] on group '2' (2 ranks) differs from plain eager on rank 0: max abs diff 1, max rel diff 1. Run with backend='reference' to take eagertp's pipeline out of the picture, and report this with the shapes above.""")
