@@ -302,6 +302,8 @@ class EagerMicroPipeline:
     def _why_not_fusable(
         self, gather: PendingGather, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     ) -> str | None:
+        if a.numel() == 0:
+            return "reads an empty gathered tensor: there is nothing to overlap"
         if gather.rows_per_rank(a) is None:
             return (
                 f"reads the gathered tensor as {tensor_str(a)} with strides {a.stride()}, "

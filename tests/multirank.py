@@ -29,6 +29,9 @@ WORLD = 4
 COLLECTIVE_TIMEOUT = timedelta(seconds=20)
 TEST_TIMEOUT = 60.0  # seconds, per run()
 
+# Inside a worker: world size -> a second gloo group over ranks 0 .. n - 1.
+OTHER_GROUPS: dict[int, Any] = {}
+
 
 class RankError(AssertionError):
     """A worker raised; the message holds every failing rank's traceback."""
@@ -63,6 +66,9 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection) -
     # Every rank must create every group, in the same order.
     groups = {n: dist.new_group(list(range(n)), timeout=COLLECTIVE_TIMEOUT) for n in (1, 2, 3)}
     groups[WORLD] = dist.group.WORLD
+    # A second group over the same ranks, for tests that need a group the mode
+    # does not manage (new_group needs every rank, so it is made here, once).
+    OTHER_GROUPS.update({n: dist.new_group(list(range(n)), timeout=COLLECTIVE_TIMEOUT) for n in (2, 4)})
     conn.send("ready")
     while True:
         job = conn.recv()

@@ -1,0 +1,141 @@
+"""Public surface: arguments, errors, context rules. Single process except where noted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+from helpers import OpCounter, all_gather, integer_tensor
+
+import eagertp
+from eagertp import EagerMicroPipeline
+
+
+def test_public_names():
+    assert eagertp.__all__ == ["BACKENDS", "Backend", "EagerMicroPipeline", "VerificationError"]
+    assert sorted(eagertp.BACKENDS) == ["reference", "ring"]
+
+
+def test_unknown_backend_lists_valid_names():
+    with pytest.raises(ValueError) as e:
+        EagerMicroPipeline(backend="nccl")
+    assert_expected_inline(
+        str(e.value),
+        """EagerMicroPipeline: unknown backend 'nccl'; valid names: 'auto', 'ring', 'reference'""",
+    )
+
+
+def test_auto_backend_is_ring():
+    assert EagerMicroPipeline().backend == "ring"
+    assert EagerMicroPipeline(backend="reference").backend == "reference"
+
+
+def test_group_must_be_a_process_group():
+    with pytest.raises(TypeError) as e:
+        EagerMicroPipeline(group="tp")
+    assert_expected_inline(
+        str(e.value),
+        """EagerMicroPipeline(group=...) takes a torch.distributed.ProcessGroup or None, got str; for a DeviceMesh pass mesh.get_group('tp')""",
+    )
+
+
+def test_options_are_keyword_only():
+    with pytest.raises(TypeError):
+        EagerMicroPipeline(None)  # type: ignore[misc]
+
+
+def test_reentering_an_active_instance_is_an_error():
+    pipe = EagerMicroPipeline()
+    with pipe:
+        with pytest.raises(RuntimeError, match="already active"):
+            pipe.__enter__()
+    with pipe:  # usable again once left
+        pass
+
+
+def test_explain_with_nothing_seen():
+    with EagerMicroPipeline() as pipe:
+        torch.ones(2) + 1
+    assert pipe.explain() == "eagertp: no all-gather or reduce-scatter seen on a managed group"
+    assert pipe.debug_string() == ""
+    assert not pipe.stats
+
+
+def test_plain_ops_pass_through_unchanged():
+    x = torch.randn(4, 4)
+    with EagerMicroPipeline():
+        y = (x @ x).relu().sum(0)
+    torch.testing.assert_close(y, (x @ x).relu().sum(0), rtol=0, atol=0)
+
+
+# -- multi-rank context rules --------------------------------------------------------
+
+
+def _group_filter_worker(rank, group):
+    from multirank import OTHER_GROUPS
+
+    other = OTHER_GROUPS[2]
+    x = integer_tensor((2, 4), torch.float32, seed=rank)
+    w = integer_tensor((4, 3), torch.float32, seed=9)
+    with OpCounter() as counter, EagerMicroPipeline(group=group) as pipe:
+        managed = all_gather(x, group) @ w
+        unmanaged = all_gather(x, other) @ w  # passes through: a plain collective
+    return {
+        "ok": torch.equal(managed, unmanaged),
+        "stats": dict(pipe.stats),
+        "plain_gathers": counter.unfused_all_gathers,
+    }
+
+
+def test_group_option_leaves_other_groups_untouched(pool):
+    for r in pool.run(_group_filter_worker, 2):
+        assert r["ok"]
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}
+        assert r["plain_gathers"] == 1  # the unmanaged one, issued as the user wrote it
+
+
+def _group_size_worker(rank, group):
+    x = torch.ones(2, 4)
+    with EagerMicroPipeline():
+        try:
+            torch.ops._c10d_functional.all_gather_into_tensor(x, 3, group.group_name)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def test_wrong_group_size_names_op_and_fix(pool):
+    msg, _ = pool.run(_group_size_worker, 2)
+    assert_expected_inline(
+        msg,
+        """_c10d_functional.all_gather_into_tensor.default: group_size=3 but group '2' (2 ranks) has 2 ranks; pass the group's size""",
+    )
+
+
+def _odd_shards_worker(rank, group, kind):
+    if kind == "noncontiguous":
+        x = integer_tensor((6, 4), torch.float32, seed=rank).t()  # [4, 6], strides (1, 4)
+    else:
+        x = torch.empty(0, 6)
+    w = integer_tensor((6, 5), torch.float32, seed=3)
+    expected = all_gather(x, group) @ w
+    with EagerMicroPipeline() as pipe:
+        got = all_gather(x, group) @ w
+    return {"ok": torch.equal(got, expected), "stats": dict(pipe.stats), "explain": pipe.explain()}
+
+
+def test_noncontiguous_shard_fuses(pool):
+    for r in pool.run(_odd_shards_worker, 2, "noncontiguous"):
+        assert r["ok"]
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}
+
+
+def test_zero_size_shard_is_issued_unfused_with_reason(pool):
+    results = pool.run(_odd_shards_worker, 2, "empty")
+    for r in results:
+        assert r["ok"]
+        assert r["stats"] == {"unfused_all_gather": 1}
+    assert_expected_inline(
+        results[0]["explain"],
+        """all_gather #0 f32[0, 6] -> f32[0, 6] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.mm.default reads an empty gathered tensor: there is nothing to overlap""",
+    )
