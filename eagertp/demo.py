@@ -26,14 +26,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from eagertp import EagerMicroPipeline
-
-# The *_single names replace the deprecated *_tensor ones in newer torch.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -84,10 +80,10 @@ class TPMLP:
     def __call__(self, x_shard: torch.Tensor) -> torch.Tensor:
         for w1, b1, w2 in self.layers:
             h = F.layer_norm(x_shard, x_shard.shape[-1:])
-            h = _all_gather(h, 0, self.group)  # [S, H]
+            h = funcol_all_gather(h, 0, self.group)  # [S, H]
             h = F.gelu(F.linear(h, w1, b1))  # [S, F/W]
             y = F.linear(h, w2)  # [S, H], partial sums
-            x_shard = x_shard + _reduce_scatter(y, "sum", 0, self.group)
+            x_shard = x_shard + funcol_reduce_scatter(y, "sum", 0, self.group)
         return x_shard
 
     @torch.no_grad()
@@ -164,7 +160,8 @@ def run(args: argparse.Namespace, group: dist.ProcessGroup, device: torch.device
     stats = pipe.stats
     out.write(
         f"fused ops in the last step: {stats['all_gather_matmul']} all_gather_matmul "
-        f"({stats['fused_matmuls']} matmuls), {stats['unfused_all_gather']} unfused all-gathers, "
+        f"({stats['fused_matmuls']} matmuls), {stats['matmul_reduce_scatter']} matmul_reduce_scatter, "
+        f"{stats['unfused_all_gather']} unfused all-gathers, "
         f"{stats['unfused_reduce_scatter']} unfused reduce-scatters; "
         f"losses match plain eager: {'yes' if match else 'NO'} (max abs diff {max_diff:.2g})\n"
     )

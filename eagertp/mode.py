@@ -35,9 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagertp._format import group_str, tensor_str
 from eagertp.backends import resolve_backend
-from eagertp.deferred import PendingGather, PendingMatmul, PendingStore, tensor_leaves
-from eagertp.patterns import AllGatherMatmulPlan
-from eagertp.trace import Trace
+from eagertp.backends.base import REDUCE_OPS
+from eagertp.deferred import Operand, PendingGather, PendingMatmul, PendingStore, tensor_leaves
+from eagertp.patterns import AllGatherMatmulPlan, Plan, ReduceScatterPlan
+from eagertp.trace import CollectiveRecord, Trace
 
 __all__ = ["EagerMicroPipeline", "VerificationError"]
 
@@ -203,18 +204,23 @@ class EagerMicroPipeline:
             self._flush(f"{func} wrote an input of pending work")
 
     def _flush(self, reason: str) -> None:
-        gathers = self._store.drain()
-        if not gathers:
+        items = self._store.drain()
+        if not items:
             return
         self._trace.event(f"flush: {reason}")
         self._issuing = True
         try:
-            # Issue every gather even if one fails, so that peers waiting on the
-            # later ones are not left hanging; then raise the first failure.
+            # Issue every item even if one fails, so that peers waiting on the
+            # later collectives are not left hanging; then raise the first failure.
             failure: BaseException | None = None
-            for gather in gathers:
+            for item in items:
                 try:
-                    self._issue(AllGatherMatmulPlan(gather), reason)
+                    if isinstance(item, PendingGather):
+                        plan = AllGatherMatmulPlan(item)
+                        self._issue(plan, f"no matmul consumed it before {reason}")
+                    else:
+                        with torch._C._AutoDispatchBelowADInplaceOrView():
+                            item.compute(item.a, item.b, item.out)
                 except BaseException as e:  # noqa: B036 - re-raised below
                     failure = failure or e
             if failure is not None:
@@ -222,33 +228,29 @@ class EagerMicroPipeline:
         finally:
             self._issuing = False
 
-    def _issue(self, plan: AllGatherMatmulPlan, reason: str) -> None:
-        g = plan.gather
+    def _issue(self, plan: Plan, unfused_reason: str) -> None:
+        """Run one collective's plan on the backend and account for it."""
         backend = self._backend
-        # NB: placeholders are filled below autograd: tensors autograd saved for
-        # backward are these same storages, and their version counters must not move.
-        with torch.profiler.record_function(f"eagertp::{plan.name}"), torch._C._AutoDispatchBelowADInplaceOrView():
-            backend.all_gather_consume(g.shard, plan.consumer(), g.out, g.group)
-            if self.verify:
-                self._verify(plan)
+        was_issuing, self._issuing = self._issuing, True
+        try:
+            # NB: placeholders are filled below autograd: tensors autograd saved for
+            # backward are these same storages, and their version counters must not move.
+            with torch.profiler.record_function(f"eagertp::{plan.name}"), torch._C._AutoDispatchBelowADInplaceOrView():
+                plan.run(backend)
+                if self.verify:
+                    for what, got, want, exact in plan.checks():
+                        _check_equal(what, got, want, plan.group, exact=exact)
+        finally:
+            self._issuing = was_issuing
         if plan.fused:
-            self.stats["all_gather_matmul"] += 1
-            self.stats["fused_matmuls"] += len(g.consumers)
-            self._trace.mark_fused(g.record, [mm.describe() for mm in g.consumers], backend.name)
+            self.stats[plan.name] += 1
+            if isinstance(plan, AllGatherMatmulPlan):
+                self.stats["fused_matmuls"] += len(plan.gather.consumers)
+            self._trace.mark_fused(plan.record, plan.fused_with(), backend.name)
         else:
-            self.stats["unfused_all_gather"] += 1
-            self._trace.mark_unfused(g.record, f"no matmul consumed it before {reason}", backend.name)
+            self.stats[f"unfused_{plan.kind}"] += 1
+            self._trace.mark_unfused(plan.record, unfused_reason, backend.name)
         self._trace.event(f"{plan.render()} [{backend.name}]")
-
-    def _verify(self, plan: AllGatherMatmulPlan) -> None:
-        g = plan.gather
-        ag_ref, mm_refs = plan.reference()
-        what = f"all_gather {tensor_str(g.shard)} -> {tensor_str(g.out)} on {group_str(g.group)}"
-        _check_equal(what, g.out, ag_ref, g.group, exact=True)
-        for mm, ref in zip(g.consumers, mm_refs):
-            _check_equal(
-                f"{mm.op} of {what} with B {tensor_str(mm.b)}", mm.out, ref, g.group, exact=False
-            )
 
     # -- deferral ----------------------------------------------------------
 
@@ -274,54 +276,106 @@ class EagerMicroPipeline:
         b: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        gather = self._store.gather_output_of(a) if self._store else None
-        if gather is None:
+        """Defer a matmul: as a consumer of the pending gather it reads, or
+        standalone (a reduce-scatter may follow: Note [Deferral boundary])."""
+        if _matmul_shape_error(a, b, bias):
             if self._store:
                 self._flush_if_needed(func, args, kwargs)
-            return func(*args, **kwargs)
-        why_not = self._why_not_fusable(gather, a, b, bias)
-        if why_not is not None:
-            self._flush(f"{func} {why_not}")
-            return func(*args, **kwargs)
+            return func(*args, **kwargs)  # plain eager raises its own error
+        gather, operand = None, None
+        if self._store:
+            gather, operand, why_not = self._match_gather_operand(a, b, bias)
+            if why_not is not None:
+                self._flush(f"{func} {why_not}")
+            elif gather is None:
+                self._flush_if_needed(func, args, kwargs)
         mm = PendingMatmul(
             func,
-            b,
+            None if operand in (Operand.ROWS, Operand.ROWS_T) else a,
+            None if operand is Operand.B_ROWS else b,
             a.new_empty((a.shape[0], b.shape[1])),
             self._store.next_tid(),
             bias,
             beta=kwargs.get("beta", 1),
             alpha=kwargs.get("alpha", 1),
+            operand=operand,
         )
-        self._store.add_matmul(gather, mm)
-        operands = f"${gather.tid}, {tensor_str(b)}"
-        if bias is not None:
-            operands = f"{tensor_str(bias)}, {operands}"
-        self._trace.event(f"${mm.tid}: {tensor_str(mm.out)} = {func.__name__.split('.')[0]}({operands})")
+        self._store.add_matmul(mm, gather)
+        self._trace.event(mm.render(None if gather is None else gather.tid))
         return mm.out
 
-    def _why_not_fusable(
-        self, gather: PendingGather, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
-    ) -> str | None:
-        if a.numel() == 0:
-            return "reads an empty gathered tensor: there is nothing to overlap"
-        if gather.rows_per_rank(a) is None:
-            return (
-                f"reads the gathered tensor as {tensor_str(a)} with strides {a.stride()}, "
+    def _match_gather_operand(
+        self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[PendingGather | None, Operand | None, str | None]:
+        """Which pending gather a matmul consumes and how, or why it cannot."""
+        gather_a, gather_b = self._store.gather_output_of(a), self._store.gather_output_of(b)
+        if gather_a is None and gather_b is None:
+            return None, None, None
+        if gather_a is not None and gather_b is not None:
+            return None, None, "reads pending gathers as both operands"
+        gather = gather_a or gather_b
+        g = a if gather_a is not None else b
+        if g.numel() == 0:
+            return None, None, "reads an empty gathered tensor: there is nothing to overlap"
+        if gather_a is not None and gather.rows_per_rank(a) is not None:
+            operand = Operand.ROWS
+        elif gather_a is not None and gather.rows_per_rank(a.t()) is not None:
+            operand = Operand.ROWS_T
+        elif gather_b is not None and gather.rows_per_rank(b) is not None:
+            operand = Operand.B_ROWS
+        else:
+            return None, None, (
+                f"reads the gathered tensor as {tensor_str(g)} with strides {g.stride()}, "
                 f"which does not split into per-rank row blocks"
             )
-        others = [b] if bias is None else [b, bias]
+        others = [t for t in (a, b, bias) if t is not None and t is not g]
         if self._store.touched(others) is not None:
-            return "has a second pending operand"
-        if b.dim() != 2 or b.shape[0] != a.shape[1] or any(
-            t.dtype != a.dtype or t.device != a.device for t in others
-        ):
-            return f"has operands {tensor_str(a)} and {tensor_str(b)} that plain mm would reject"
-        if bias is not None and torch.broadcast_shapes(bias.shape, (a.shape[0], b.shape[1])) != (
-            a.shape[0],
-            b.shape[1],
-        ):
-            return f"has bias {tensor_str(bias)} that does not broadcast to the output"
-        return None
+            return None, None, "has a second pending operand"
+        return gather, operand, None
+
+    def _reduce_scatter(
+        self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, inp: torch.Tensor, reduce_op: str,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        world = group.size()
+        reduce_op = reduce_op.lower()
+        if reduce_op not in REDUCE_OPS or inp.dim() == 0 or inp.shape[0] % world:
+            # Plain eager either runs it (an op we have no ring for) or raises.
+            if self._store:
+                self._flush(f"{func} issued")
+            out = func(*args, **kwargs)
+            record = self._new_reduce_scatter_record(reduce_op, inp, out, group)
+            self.stats["unfused_reduce_scatter"] += 1
+            self._trace.mark_unfused(record, f"reduce_op {reduce_op!r} has no point-to-point implementation")
+            return out
+        out = inp.new_empty((inp.shape[0] // world, *inp.shape[1:]))
+        record = self._new_reduce_scatter_record(reduce_op, inp, out, group)
+        mm = self._store.matmul_output_of(inp) if self._store else None
+        if mm is not None and out.numel() % mm.out.shape[1] == 0:
+            self._store.remove(mm)
+            self._flush(f"{func} issued")  # earlier work first: same collective order
+            plan = ReduceScatterPlan(out, reduce_op, group, record, matmul=mm)
+            reason = ""
+        else:
+            if mm is not None:
+                reason = (
+                    f"its input {tensor_str(inp)} does not split into per-rank blocks of "
+                    f"whole rows of the matmul output {tensor_str(mm.out)}"
+                )
+            else:
+                reason = "its input is not the pending output of a matmul"
+            if self._store:
+                self._flush(f"{func} issued")
+            plan = ReduceScatterPlan(out, reduce_op, group, record, inp=inp.contiguous())
+        self._issue(plan, reason)
+        return out
+
+    def _new_reduce_scatter_record(
+        self, reduce_op: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
+    ) -> CollectiveRecord:
+        return self._trace.new_collective(
+            f"reduce_scatter({reduce_op})", src=tensor_str(inp), dst=tensor_str(out), group=group_str(group)
+        )
 
 
 class _EagerTPMode(TorchDispatchMode):
@@ -352,6 +406,20 @@ def _has_dispatch_override(t: type) -> bool:
 
 def _is_metadata_only(func: torch._ops.OpOverload) -> bool:
     return func in _PENDING_PASSTHROUGH or (func.is_view and not func._schema.is_mutable)
+
+
+def _matmul_shape_error(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """True if plain mm/addmm would reject these operands (then it should say why)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return True
+    others = [b] if bias is None else [b, bias]
+    if any(t.dtype != a.dtype or t.device != a.device for t in others):
+        return True
+    out_shape = (a.shape[0], b.shape[1])
+    try:
+        return bias is not None and torch.broadcast_shapes(bias.shape, out_shape) != out_shape
+    except RuntimeError:
+        return True
 
 
 def _resolve_group(group_name: Any) -> dist.ProcessGroup:
@@ -388,24 +456,30 @@ def _check_equal(
 @_register([_c10d_functional.all_gather_into_tensor.default])
 def _all_gather(p: EagerMicroPipeline, func, args, kwargs):
     shard, group_size, group_name = args
-    return _maybe_defer_gather(p, func, args, kwargs, shard, group_size, _resolve_group(group_name))
-
-
-def _maybe_defer_gather(p, func, args, kwargs, shard, group_size, group):
-    if not p._manages(group):
-        if p._store:
-            p._flush(f"{func} issued on unmanaged {group_str(group)}")
+    group = _managed_group(p, func, group_size, group_name)
+    if group is None:
         return func(*args, **kwargs)
-    if group_size != group.size():
-        raise ValueError(
-            f"{func}: group_size={group_size} but {group_str(group)} has "
-            f"{group.size()} ranks; pass the group's size"
-        )
     if p._store:
         # The shard must hold data when the gather is eventually issued, and
         # earlier pending work must be issued first in any case (same order).
         p._flush_if_needed(func, (shard,), {})
     return p._defer_gather(shard, group)
+
+
+def _managed_group(p: EagerMicroPipeline, func, group_size: int, group_name: Any) -> dist.ProcessGroup | None:
+    """The collective's group if the mode manages it; otherwise None, after
+    issuing everything pending (the collective passes through in program order)."""
+    group = _resolve_group(group_name)
+    if not p._manages(group):
+        if p._store:
+            p._flush(f"{func} issued on unmanaged {group_str(group)}")
+        return None
+    if group_size != group.size():
+        raise ValueError(
+            f"{func}: group_size={group_size} but {group_str(group)} has "
+            f"{group.size()} ranks; pass the group's size"
+        )
+    return group
 
 
 @_register([_c10d_functional.wait_tensor.default])
@@ -425,25 +499,11 @@ def _wrap_async(p: EagerMicroPipeline, func, args, kwargs):
 
 @_register([_c10d_functional.reduce_scatter_tensor.default])
 def _reduce_scatter(p: EagerMicroPipeline, func, args, kwargs):
-    inp, reduce_op, _, group_name = args
-    return _pass_reduce_scatter(p, func, args, kwargs, inp, reduce_op, _resolve_group(group_name))
-
-
-def _pass_reduce_scatter(p, func, args, kwargs, inp, reduce_op, group):
-    if p._store:
-        p._flush(f"{func} issued")
-    out = func(*args, **kwargs)
-    if p._manages(group):
-        record = p._trace.new_collective(
-            f"reduce_scatter({reduce_op})",
-            src=tensor_str(inp),
-            dst=tensor_str(out),
-            group=group_str(group),
-        )
-        p.stats["unfused_reduce_scatter"] += 1
-        p._trace.mark_unfused(record, "matmul + reduce-scatter fusion is not implemented yet")
-        p._trace.event(f"{tensor_str(out)} = reduce_scatter({reduce_op}, {tensor_str(inp)}) [unfused]")
-    return out
+    inp, reduce_op, group_size, group_name = args
+    group = _managed_group(p, func, group_size, group_name)
+    if group is None:
+        return func(*args, **kwargs)
+    return p._reduce_scatter(func, args, kwargs, inp, reduce_op, group)
 
 
 @_register([aten.mm.default])

@@ -117,7 +117,9 @@ $1: f32[8, 8] = mm($0, f32[16, 8])
 $2: f32[8, 8] = mm($0, f32[16, 8])
 $3: f32[8, 8] = mm($0, f32[16, 8])
 flush: aten.mm.default read $1
-all_gather_matmul($0 -> $1, $2, $3) [ring]""",
+all_gather_matmul($0 -> $1, $2, $3) [ring]
+$4: f32[8, 8] = mm(f32[8, 8], f32[8, 8])
+flush: block exited""",
     )
     assert_expected_inline(
         results[0]["explain"],

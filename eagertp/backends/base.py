@@ -10,6 +10,10 @@ import torch.distributed as dist
 # consumer(chunk, src_rank): called once per rank's chunk of the gathered tensor.
 ChunkConsumer = Callable[[torch.Tensor, int], None]
 
+# producer(dst_rank, buf): writes into buf this rank's contribution to the chunk
+# that rank dst_rank keeps after the reduce-scatter.
+ChunkProducer = Callable[[int, torch.Tensor], None]
+
 
 def check_gather_buffers(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Internal invariants every backend relies on (the mode guarantees them)."""
@@ -20,3 +24,19 @@ def check_gather_buffers(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.
     assert ag_out.shape[0] == shard.shape[0] * group.size() and (
         ag_out.shape[1:] == shard.shape[1:]
     ), f"ag_out {tuple(ag_out.shape)} is not shard {tuple(shard.shape)} gathered over {group.size()} ranks"
+
+
+def check_scatter_buffers(out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> None:
+    assert out.is_contiguous(), f"produce_reduce_scatter needs a contiguous out, got strides {out.stride()}"
+    assert reduce_op in REDUCE_OPS, f"reduce_op {reduce_op!r} is not one of {sorted(REDUCE_OPS)}"
+
+
+# funcol's reduce_op names -> c10d's. "avg" is reduced as a sum and divided at the
+# end, so it needs no backend support beyond SUM.
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}

@@ -5,11 +5,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from eagertp.backends.base import ChunkConsumer, check_gather_buffers
+from eagertp._compat import all_gather_single, reduce_scatter_single
+from eagertp.backends.base import (
+    REDUCE_OPS,
+    ChunkConsumer,
+    ChunkProducer,
+    check_gather_buffers,
+    check_scatter_buffers,
+)
 
 
 class ReferenceBackend:
-    """Unfused all-gather followed by the consumer, exactly as plain eager runs it.
+    """The plain collective and the whole matmul, exactly as plain eager runs them.
 
     This is what ``verify=True`` compares against and what a user picks with
     ``backend="reference"`` to rule out the micro-pipeline while debugging.
@@ -25,8 +32,24 @@ class ReferenceBackend:
         group: dist.ProcessGroup,
     ) -> None:
         check_gather_buffers(shard, ag_out, group)
-        dist.all_gather_into_tensor(ag_out, shard, group=group)
+        all_gather_single(ag_out, shard, group=group)
         if consumer is None:
             return
         for src, chunk in enumerate(ag_out.view(group.size(), *shard.shape)):
             consumer(chunk, src)
+
+    def produce_reduce_scatter(
+        self,
+        producer: ChunkProducer,
+        out: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduce_op: str,
+    ) -> None:
+        check_scatter_buffers(out, group, reduce_op)
+        world = group.size()
+        full = out.new_empty((world * out.shape[0], *out.shape[1:]))
+        for dst, chunk in enumerate(full.view(world, *out.shape)):
+            producer(dst, chunk)
+        reduce_scatter_single(out, full, op=REDUCE_OPS[reduce_op], group=group)
+        if reduce_op == "avg":
+            out.div_(world)
