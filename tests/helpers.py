@@ -26,6 +26,22 @@ def all_gather(x: torch.Tensor, group, gather_dim: int = 0) -> torch.Tensor:
     return funcol.all_gather_single(x, gather_dim, group)
 
 
+def reduce_scatter(x: torch.Tensor, group, reduce_op: str = "sum", scatter_dim: int = 0) -> torch.Tensor:
+    """funcol's reduce-scatter, waited: workers return plain tensors to the test."""
+    out = funcol.reduce_scatter_single(x, reduce_op, scatter_dim, group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def fusion_report(pipe, counter: OpCounter) -> dict:
+    """What a worker returns so the test can prove which path ran."""
+    return {
+        "stats": dict(pipe.stats),
+        "plain_all_gathers": counter.unfused_all_gathers,
+        "plain_reduce_scatters": counter.unfused_reduce_scatters,
+        "p2p_ops": counter.p2p,
+    }
+
+
 class OpCounter(TorchDispatchMode):
     """Counts every op that reaches it. Entered *outside* EagerMicroPipeline, it
     sees what eagertp actually issued: its point-to-point ring and the plain ops
@@ -43,6 +59,12 @@ class OpCounter(TorchDispatchMode):
     def unfused_all_gathers(self) -> int:
         return self.counts["_c10d_functional.all_gather_into_tensor.default"] + self.counts[
             "c10d._allgather_base_.default"
+        ]
+
+    @property
+    def unfused_reduce_scatters(self) -> int:
+        return self.counts["_c10d_functional.reduce_scatter_tensor.default"] + self.counts[
+            "c10d._reduce_scatter_base_.default"
         ]
 
     @property

@@ -1,0 +1,170 @@
+"""Matmul + reduce-scatter fusion on 2 and 4 gloo ranks.
+
+Each fusion test asserts: the result equals plain eager (bitwise on
+integer-valued inputs), the fused path ran (stats and the point-to-point ring
+seen by an outer OpCounter), and no plain reduce-scatter was issued.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from helpers import DTYPES, OpCounter, fusion_report, integer_tensor, random_tensor, reduce_scatter
+
+from eagertp import EagerMicroPipeline
+
+WORLDS = [2, 4]
+
+
+def _assert_fused(report: dict, calls: int = 1) -> None:
+    assert report["stats"].get("matmul_reduce_scatter") == calls, report
+    assert report["stats"].get("unfused_reduce_scatter", 0) == 0, report
+    assert report["plain_reduce_scatters"] == 0, report
+    assert report["p2p_ops"] > 0, report
+
+
+def _rs_worker(rank, group, in_shape, n, dtype_name, reduce_op, bias, integer=True):
+    """Row-parallel linear: y = F.linear(h, w_shard[, b]); reduce_scatter(y)."""
+    dtype = DTYPES[dtype_name]
+    make = integer_tensor if integer else random_tensor
+    h = make(in_shape, dtype, seed=rank)
+    w = make((n, in_shape[-1]), dtype, seed=100 + rank)  # each rank's weight shard differs
+    b = make((n,), dtype, seed=200 + rank) if bias else None
+    expected = reduce_scatter(F.linear(h, w, b), group, reduce_op)
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = reduce_scatter(F.linear(h, w, b), group, reduce_op)
+    return {"got": got, "expected": expected, "explain": pipe.explain(), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("in_shape", [(4, 8), (8, 16), (2, 4, 8), (2, 2, 4, 8)], ids=["1row", "2d", "3d", "4d"])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_matmul_reduce_scatter_bitwise(pool, world, in_shape, reduce_op, bias):
+    if in_shape[0] % world:
+        in_shape = (world * in_shape[0], *in_shape[1:])
+    for rank, r in enumerate(pool.run(_rs_worker, world, in_shape, 6, "f32", reduce_op, bias)):
+        assert r["got"].shape == r["expected"].shape
+        assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
+        _assert_fused(r)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_matmul_reduce_scatter_random_inputs_close(pool, dtype):
+    for r in pool.run(_rs_worker, 2, (16, 64), 32, dtype, "sum", True, False):
+        # The ring adds partial sums in its own order: equal to chunked-sum tolerance.
+        torch.testing.assert_close(r["got"], r["expected"])
+        _assert_fused(r)
+
+
+@pytest.mark.parametrize("reduce_op", ["max", "min", "product"])
+def test_other_reduce_ops_fuse_through_the_ring(pool, reduce_op):
+    for r in pool.run(_rs_worker, 4, (8, 4), 3, "f32", reduce_op, False):
+        assert torch.equal(r["got"], r["expected"])
+        _assert_fused(r)
+
+
+def test_fused_reduce_scatter_explained(pool):
+    r0 = pool.run(_rs_worker, 2, (4, 8), 6, "f32", "sum", True)[0]
+    assert_expected_inline(r0["explain"], """reduce_scatter(sum) #0 f32[4, 6] -> f32[2, 6] on group '2' (2 ranks): fused with addmm -> $0 [ring]""")
+
+
+def _unfused_worker(rank, group, read_first):
+    h = integer_tensor((4, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 6), torch.float32, seed=100 + rank)
+    expected = reduce_scatter(h @ w, group)
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        y = h @ w
+        if read_first:
+            total = y.sum()  # noqa: F841 - a read that issues the matmul alone
+            got = reduce_scatter(y, group)
+        else:
+            got = reduce_scatter(y * 1, group)  # input made by an elementwise op
+    return {"ok": torch.equal(got, expected), "explain": pipe.explain(), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("read_first", [True, False], ids=["read-first", "not-a-matmul"])
+def test_unfused_reduce_scatter_uses_the_ring_with_reason(pool, read_first):
+    results = pool.run(_unfused_worker, 2, read_first)
+    for r in results:
+        assert r["ok"]
+        assert r["stats"] == {"unfused_reduce_scatter": 1}
+        assert r["plain_reduce_scatters"] == 0, "issued by the same ring protocol (Invariant 2)"
+        assert r["p2p_ops"] > 0
+    assert_expected_inline(results[0]["explain"], """reduce_scatter(sum) #0 f32[4, 6] -> f32[2, 6] on group '2' (2 ranks): not fused [ring]: its input is not the pending output of a matmul""")
+
+
+def _mixed_worker(rank, group):
+    """Rank 0 reads the matmul output before its reduce-scatter; rank 1 fuses."""
+    h = integer_tensor((4, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 6), torch.float32, seed=100 + rank)
+    expected = reduce_scatter(h @ w, group)
+    with EagerMicroPipeline() as pipe:
+        y = h @ w
+        if rank == 0:
+            y.sum()
+        got = reduce_scatter(y, group)
+    return {"ok": torch.equal(got, expected), "stats": dict(pipe.stats)}
+
+
+def test_ranks_that_fuse_differently_interoperate(pool):
+    r0, r1 = pool.run(_mixed_worker, 2, timeout=30)
+    assert r0["ok"] and r1["ok"]
+    assert r0["stats"] == {"unfused_reduce_scatter": 1}
+    assert r1["stats"] == {"matmul_reduce_scatter": 1}
+
+
+def _unmanaged_worker(rank, group):
+    from multirank import OTHER_GROUPS
+
+    h = integer_tensor((4, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 6), torch.float32, seed=100 + rank)
+    with OpCounter() as counter, EagerMicroPipeline(group=group) as pipe:
+        managed = reduce_scatter(h @ w, group)
+        unmanaged = reduce_scatter(h @ w, OTHER_GROUPS[2])
+    return {"ok": torch.equal(managed, unmanaged), **fusion_report(pipe, counter)}
+
+
+def test_reduce_scatter_on_unmanaged_group_passes_through(pool):
+    for r in pool.run(_unmanaged_worker, 2):
+        assert r["ok"]
+        assert r["stats"] == {"matmul_reduce_scatter": 1}
+        assert r["plain_reduce_scatters"] == 1
+
+
+def _sp_mlp_worker(rank, group, backend):
+    """Sequence-parallel MLP, forward and backward: every TP collective fuses."""
+    world = group.size()
+    x0 = integer_tensor((2, 8), torch.float32, seed=rank)
+    w1 = integer_tensor((4 * 2, 8), torch.float32, seed=10 + rank)  # column shard [F/W, H]
+    b1 = integer_tensor((4 * 2,), torch.float32, seed=20 + rank)
+    w2 = integer_tensor((8, 4 * 2), torch.float32, seed=30 + rank)  # row shard [H, F/W]
+    from helpers import all_gather
+
+    def step(ctx):
+        x, p1, q1, p2 = (t.clone().requires_grad_() for t in (x0, w1, b1, w2))
+        with ctx:
+            h = F.linear(all_gather(x, group), p1, q1)
+            y = reduce_scatter(F.linear(h, p2), group)
+            (y * y).sum().backward()
+        return [y.detach(), x.grad, p1.grad, q1.grad, p2.grad]
+
+    import contextlib
+
+    expected = step(contextlib.nullcontext())
+    pipe = EagerMicroPipeline(backend=backend)
+    got = step(pipe)
+    del world
+    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], "stats": dict(pipe.stats), "explain": pipe.explain()}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("backend", ["ring", "reference"])
+def test_sequence_parallel_mlp_forward_backward_all_fused(pool, world, backend):
+    results = pool.run(_sp_mlp_worker, world, backend)
+    for r in results:
+        assert all(r["ok"]), r
+        # forward: AG+addmm, mm+RS; backward: AG(grad) + dgrad & wgrad, mm+RS(dx)
+        assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
