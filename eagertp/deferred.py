@@ -17,14 +17,17 @@ reused while it is pending; a flush drops every entry.
 
 Note [Matmul operands of a gather]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Let ``G = ag.view(W*r, C)`` be the gathered tensor seen as rows, ``r`` rows per
-rank, so rank ``i``'s chunk is ``G[i*r:(i+1)*r]``. A matmul can meet ``G`` in
-three ways, and each splits into per-chunk work that can start as soon as that
-chunk has arrived::
+Let ``L`` be a gathered tensor (``cat`` of the ``W`` shards along ``dim``) and
+``G = L.view(M, C)`` its rows. Rank ``i``'s chunk supplies the rows ``R_i`` of
+``G`` whose index along ``dim`` lies in rank ``i``'s block (a contiguous block
+of rows when ``dim`` is 0), or, when ``dim`` is the last dim, the columns
+``C_i``. A matmul can meet ``G`` in four ways, and each splits into per-chunk
+work that can start as soon as that chunk has arrived::
 
-    ROWS     mm(G, B)      out[i*r:(i+1)*r]  = G_i @ B             (forward; dgrad)
-    ROWS_T   mm(G.t(), H)  out              += G_i.t() @ H[i*r:..]  (wgrad: contraction
-    B_ROWS   mm(H, G)      out              += H[:, i*r:..] @ G_i    over the gathered rows)
+    ROWS     mm(G, B)      out[R_i]  = G[R_i] @ B            (forward; dgrad)
+    ROWS_T   mm(G.t(), H)  out      += G[R_i].t() @ H[R_i]    (wgrad: contraction
+    B_ROWS   mm(H, G)      out      += H[:, R_i] @ G[R_i]      over the gathered rows)
+    COLS     mm(G, B)      out      += G[:, C_i] @ B[C_i]     (gathered along the last dim)
 
 ROWS writes disjoint rows, so it equals plain eager bitwise whenever the
 per-row products do. The accumulating forms add ``W`` partial products, in
@@ -57,6 +60,77 @@ class Operand(enum.Enum):
     ROWS = "A"
     ROWS_T = "A.t()"
     B_ROWS = "B"
+    COLS = "A, gathered columns"
+
+
+@dataclasses.dataclass(eq=False)
+class GatheredView:
+    """A pending gather as the program sees it: ``tensor`` is ``cat`` of the W
+    shards along ``dim``. Dim 0 is the all-gather output itself; funcol builds
+    the others with ``cat(ag.chunk(W), dim)``, which the mode defers too."""
+
+    tensor: torch.Tensor  # placeholder
+    dim: int
+    world: int
+    tid: int
+
+    @property
+    def block(self) -> int:
+        """Size of one rank's block along ``dim``."""
+        return self.tensor.shape[self.dim] // self.world
+
+    def fill(self, chunk: torch.Tensor, src: int) -> None:
+        """Copy rank ``src``'s chunk into place (dim 0: the ring already did)."""
+        if self.dim:
+            self.tensor.narrow(self.dim, src * self.block, self.block).copy_(chunk)
+
+    def rows_of(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rows ``R_src`` of ``t`` [M, X], whose rows follow the rows of this view."""
+        if self.dim == 0:
+            rows = t.shape[0] // self.world
+            return t[src * rows : (src + 1) * rows]
+        lead = self.tensor.shape[:-1]
+        return t.reshape(*lead, t.shape[-1]).narrow(self.dim, src * self.block, self.block).reshape(-1, t.shape[-1])
+
+    def is_rows(self, g: torch.Tensor) -> bool:
+        """True if ``g`` is this view seen as rows ``[M, C]`` that split by rank."""
+        if not self._is_whole_2d(g):
+            return False
+        if self.dim == 0:
+            shard_numel = self.tensor.numel() // self.world
+            return shard_numel % g.shape[1] == 0
+        return self.dim < self.tensor.dim() - 1 and g.shape[1] == self.tensor.shape[-1]
+
+    def is_cols(self, g: torch.Tensor) -> bool:
+        """True if ``g`` is this view, gathered along its last dim, seen as ``[M, W*c]``."""
+        return (
+            0 < self.dim == self.tensor.dim() - 1
+            and self._is_whole_2d(g)
+            and g.shape[1] == self.tensor.shape[-1]
+        )
+
+    def _is_whole_2d(self, g: torch.Tensor) -> bool:
+        return (
+            g.dim() == 2
+            and g.numel() > 0
+            and g.is_contiguous()
+            and g.storage_offset() == self.tensor.storage_offset()
+            and g.numel() == self.tensor.numel()
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class ScatterView:
+    """``tensor = cat(out.view(shape).chunk(W, dim), 0)`` of a pending matmul
+    output: what funcol feeds a reduce-scatter along ``dim`` > 0."""
+
+    tensor: torch.Tensor  # placeholder
+    shape: torch.Size  # the matmul output as the program saw it, [..., N]
+    dim: int
+    world: int
+
+    def fill(self, mm_out: torch.Tensor) -> None:
+        torch.cat(mm_out.view(self.shape).chunk(self.world, self.dim), 0, out=self.tensor)
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,8 +138,9 @@ class PendingMatmul:
     """``out = addmm(bias, a, b, beta=beta, alpha=alpha)``, or ``mm(a, b)`` when
     ``bias`` is None, not yet computed.
 
-    For a consumer of a pending gather, ``operand`` says where the gather enters
-    and that operand (``a`` or ``b``) is None; a standalone matmul has both.
+    For a consumer of a pending gather, ``operand`` says where the gathered
+    ``view`` enters and that operand (``a`` or ``b``) is None; a standalone
+    matmul has both, and may have ``scatter_views`` waiting on its output.
     """
 
     op: torch._ops.OpOverload
@@ -77,6 +152,8 @@ class PendingMatmul:
     beta: float = 1
     alpha: float = 1
     operand: Operand | None = None
+    view: GatheredView | None = None
+    scatter_views: list[ScatterView] = dataclasses.field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -86,9 +163,9 @@ class PendingMatmul:
         via = "" if self.operand in (None, Operand.ROWS) else f" (gathered {self.operand.value})"
         return f"{self.name}{via} -> ${self.tid}"
 
-    def render(self, gather_tid: int | None = None) -> str:
+    def render(self) -> str:
         """``$3: f32[8, 6] = addmm(f32[6], $0, f32[16, 6])`` for the trace."""
-        g = f"${gather_tid}"
+        g = "" if self.view is None else f"${self.view.tid}"
         a = g if self.a is None else tensor_str(self.a)
         b = g if self.b is None else tensor_str(self.b)
         if self.operand is Operand.ROWS_T:
@@ -102,6 +179,12 @@ class PendingMatmul:
             torch.mm(a, b, out=out)
         else:
             torch.addmm(self.bias, a, b, beta=self.beta, alpha=self.alpha, out=out)
+
+    def issue_standalone(self) -> None:
+        assert self.a is not None and self.b is not None, "a gather consumer is issued by its gather"
+        self.compute(self.a, self.b, self.out)
+        for sv in self.scatter_views:
+            sv.fill(self.out)
 
     def inputs(self) -> list[torch.Tensor]:
         return [t for t in (self.a, self.b, self.bias) if t is not None]
@@ -117,18 +200,14 @@ class PendingGather:
     tid: int
     record: CollectiveRecord
     consumers: list[PendingMatmul] = dataclasses.field(default_factory=list)
+    views: list[GatheredView] = dataclasses.field(default_factory=list)
 
-    def rows_per_rank(self, g: torch.Tensor) -> int | None:
-        """Rows of rank i's chunk in ``g``, a 2-D row-major view of ``out``, or
-        None if the rows of ``g`` do not split into per-rank blocks."""
-        if g.dim() != 2 or g.shape[1] == 0 or not g.is_contiguous():
-            return None
-        if g.storage_offset() != self.out.storage_offset() or g.numel() != self.out.numel():
-            return None
-        shard_numel = self.shard.numel()
-        if shard_numel == 0 or shard_numel % g.shape[1]:
-            return None
-        return shard_numel // g.shape[1]
+    def __post_init__(self) -> None:
+        self.views.append(GatheredView(self.out, 0, self.group.size(), self.tid))
+
+    def view_of(self, t: torch.Tensor) -> GatheredView | None:
+        key = storage_key(t)
+        return next((v for v in self.views if storage_key(v.tensor) == key), None)
 
 
 Pending = PendingGather | PendingMatmul
@@ -154,6 +233,14 @@ class PendingStore:
         self._owner[storage_key(gather.out)] = gather
         self._inputs.add(storage_key(gather.shard))
 
+    def add_gathered_view(self, gather: PendingGather, view: GatheredView) -> None:
+        gather.views.append(view)
+        self._owner[storage_key(view.tensor)] = gather
+
+    def add_scatter_view(self, mm: PendingMatmul, view: ScatterView) -> None:
+        mm.scatter_views.append(view)
+        self._owner[storage_key(view.tensor)] = mm
+
     def add_matmul(self, mm: PendingMatmul, gather: PendingGather | None = None) -> None:
         """A consumer of ``gather``, or a standalone matmul when it is None."""
         if gather is None:
@@ -166,32 +253,42 @@ class PendingStore:
     def remove(self, mm: PendingMatmul) -> None:
         """Take a standalone matmul out: its consumer issues it (fused)."""
         self.items.remove(mm)
-        del self._owner[storage_key(mm.out)]
+        for t in [mm.out, *(sv.tensor for sv in mm.scatter_views)]:
+            del self._owner[storage_key(t)]
 
-    def gather_output_of(self, t: torch.Tensor) -> PendingGather | None:
-        """The pending gather whose placeholder ``t`` views, if any."""
-        item = self._owner.get(storage_key(t))
-        if isinstance(item, PendingGather) and storage_key(item.out) == storage_key(t):
-            return item
+    def owner(self, t: torch.Tensor) -> Pending | None:
+        return self._owner.get(storage_key(t))
+
+    def gathered_view_of(self, t: torch.Tensor) -> tuple[PendingGather, GatheredView] | None:
+        """The pending gather and its view that ``t`` views, if any."""
+        item = self.owner(t)
+        if isinstance(item, PendingGather):
+            view = item.view_of(t)
+            if view is not None:
+                return item, view
         return None
 
-    def matmul_output_of(self, t: torch.Tensor) -> PendingMatmul | None:
-        """The standalone pending matmul whose whole output ``t`` is, if any."""
-        item = self._owner.get(storage_key(t))
-        if (
-            isinstance(item, PendingMatmul)
-            and t.is_contiguous()
-            and t.storage_offset() == item.out.storage_offset()
-            and t.numel() == item.out.numel()
-        ):
-            return item
+    def standalone_output(self, t: torch.Tensor) -> tuple[PendingMatmul, ScatterView | None] | None:
+        """The standalone pending matmul whose whole output (or whole scatter
+        view) ``t`` is, if any."""
+        mm = self.owner(t)
+        if not isinstance(mm, PendingMatmul) or not t.is_contiguous():
+            return None
+        key = storage_key(t)
+        for whole, sv in [(mm.out, None), *((sv.tensor, sv) for sv in mm.scatter_views)]:
+            if storage_key(whole) == key and t.storage_offset() == whole.storage_offset() and t.numel() == whole.numel():
+                return mm, sv
         return None
 
     def tid_of(self, t: torch.Tensor) -> int:
+        """The trace id of the placeholder ``t`` views."""
         key = storage_key(t)
         item = self._owner[key]
-        candidates = [item] + (item.consumers if isinstance(item, PendingGather) else [])
-        return next(c.tid for c in candidates if storage_key(c.out) == key)
+        if isinstance(item, PendingGather):
+            named = [(v.tensor, v.tid) for v in item.views] + [(mm.out, mm.tid) for mm in item.consumers]
+        else:
+            named = [(item.out, item.tid)] + [(sv.tensor, item.tid) for sv in item.scatter_views]
+        return next(tid for tensor, tid in named if storage_key(tensor) == key)
 
     def touched(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
         """The first of ``tensors`` that is pending, if any."""

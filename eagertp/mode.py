@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +37,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from eagertp._format import group_str, tensor_str
 from eagertp.backends import resolve_backend
 from eagertp.backends.base import REDUCE_OPS
-from eagertp.deferred import Operand, PendingGather, PendingMatmul, PendingStore, tensor_leaves
+from eagertp.deferred import (
+    GatheredView,
+    Operand,
+    PendingGather,
+    PendingMatmul,
+    PendingStore,
+    ScatterView,
+    tensor_leaves,
+)
 from eagertp.patterns import AllGatherMatmulPlan, Plan, ReduceScatterPlan
 from eagertp.trace import CollectiveRecord, Trace
 
@@ -220,7 +229,7 @@ class EagerMicroPipeline:
                         self._issue(plan, f"no matmul consumed it before {reason}")
                     else:
                         with torch._C._AutoDispatchBelowADInplaceOrView():
-                            item.compute(item.a, item.b, item.out)
+                            item.issue_standalone()
                 except BaseException as e:  # noqa: B036 - re-raised below
                     failure = failure or e
             if failure is not None:
@@ -282,16 +291,16 @@ class EagerMicroPipeline:
             if self._store:
                 self._flush_if_needed(func, args, kwargs)
             return func(*args, **kwargs)  # plain eager raises its own error
-        gather, operand = None, None
+        gather, view, operand = None, None, None
         if self._store:
-            gather, operand, why_not = self._match_gather_operand(a, b, bias)
+            gather, view, operand, why_not = self._match_gather_operand(a, b, bias)
             if why_not is not None:
                 self._flush(f"{func} {why_not}")
             elif gather is None:
                 self._flush_if_needed(func, args, kwargs)
         mm = PendingMatmul(
             func,
-            None if operand in (Operand.ROWS, Operand.ROWS_T) else a,
+            None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,
             None if operand is Operand.B_ROWS else b,
             a.new_empty((a.shape[0], b.shape[1])),
             self._store.next_tid(),
@@ -299,39 +308,81 @@ class EagerMicroPipeline:
             beta=kwargs.get("beta", 1),
             alpha=kwargs.get("alpha", 1),
             operand=operand,
+            view=view,
         )
         self._store.add_matmul(mm, gather)
-        self._trace.event(mm.render(None if gather is None else gather.tid))
+        self._trace.event(mm.render())
         return mm.out
 
     def _match_gather_operand(
         self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
-    ) -> tuple[PendingGather | None, Operand | None, str | None]:
+    ) -> tuple[PendingGather | None, GatheredView | None, Operand | None, str | None]:
         """Which pending gather a matmul consumes and how, or why it cannot."""
-        gather_a, gather_b = self._store.gather_output_of(a), self._store.gather_output_of(b)
-        if gather_a is None and gather_b is None:
-            return None, None, None
-        if gather_a is not None and gather_b is not None:
-            return None, None, "reads pending gathers as both operands"
-        gather = gather_a or gather_b
-        g = a if gather_a is not None else b
+        found_a, found_b = self._store.gathered_view_of(a), self._store.gathered_view_of(b)
+        if found_a is None and found_b is None:
+            return None, None, None, None
+        if found_a is not None and found_b is not None:
+            return None, None, None, "reads pending gathers as both operands"
+        gather, view = found_a or found_b
+        g = a if found_a is not None else b
         if g.numel() == 0:
-            return None, None, "reads an empty gathered tensor: there is nothing to overlap"
-        if gather_a is not None and gather.rows_per_rank(a) is not None:
+            return None, None, None, "reads an empty gathered tensor: there is nothing to overlap"
+        if found_a is not None and view.is_rows(a):
             operand = Operand.ROWS
-        elif gather_a is not None and gather.rows_per_rank(a.t()) is not None:
+        elif found_a is not None and view.is_rows(a.t()):
             operand = Operand.ROWS_T
-        elif gather_b is not None and gather.rows_per_rank(b) is not None:
+        elif found_a is not None and view.is_cols(a):
+            operand = Operand.COLS
+        elif found_b is not None and view.is_rows(b):
             operand = Operand.B_ROWS
         else:
-            return None, None, (
-                f"reads the gathered tensor as {tensor_str(g)} with strides {g.stride()}, "
-                f"which does not split into per-rank row blocks"
+            return None, None, None, (
+                f"reads the gathered tensor (gather dim {view.dim}) as {tensor_str(g)} with strides "
+                f"{g.stride()}, which does not split into per-rank blocks"
             )
         others = [t for t in (a, b, bias) if t is not None and t is not g]
         if self._store.touched(others) is not None:
-            return None, None, "has a second pending operand"
-        return gather, operand, None
+            return None, None, None, "has a second pending operand"
+        return gather, view, operand, None
+
+    def _defer_chunk_cat(self, tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
+        """Defer ``cat(x.chunk(W, i), dim)`` of a pending ``x``, the reshuffle funcol
+        emits around collectives on dims > 0, or return None if that is not it:
+
+        - ``cat(ag.chunk(W), d)``: the all-gather seen along dim ``d`` (a new
+          gathered view, filled chunk by chunk when the gather is issued);
+        - ``cat(y.chunk(W, d), 0)`` of a matmul output ``y``: the input of a
+          reduce-scatter along dim ``d``, which can then produce chunk by chunk.
+        """
+        owner = self._store.owner(tensors[0]) if tensors else None
+        if owner is None or any(self._store.owner(t) is not owner for t in tensors):
+            return None
+        world = len(tensors)
+        if isinstance(owner, PendingGather):
+            dim = dim % owner.shard.dim()
+            if world != owner.group.size() or dim == 0 or not _same_views(tensors, owner.out.chunk(world)):
+                return None
+            shape = list(owner.shard.shape)
+            shape[dim] *= world
+            view = GatheredView(owner.shard.new_empty(shape), dim, world, self._store.next_tid())
+            self._store.add_gathered_view(owner, view)
+            self._trace.event(f"${view.tid}: {tensor_str(view.tensor)} = cat(${owner.tid}.chunk({world}), {dim})")
+            return view.tensor
+        if dim != 0 or owner not in self._store.items:
+            return None
+        mm = owner
+        for split_dim in range(1, tensors[0].dim()):
+            shape = list(tensors[0].shape)
+            shape[split_dim] *= world
+            if math.prod(shape) != mm.out.numel() or shape[-1] != mm.out.shape[1]:
+                continue
+            if _same_views(tensors, mm.out.view(shape).chunk(world, split_dim)):
+                cat_shape = (world * tensors[0].shape[0], *tensors[0].shape[1:])
+                sv = ScatterView(mm.out.new_empty(cat_shape), torch.Size(shape), split_dim, world)
+                self._store.add_scatter_view(mm, sv)
+                self._trace.event(f"${mm.tid}': {tensor_str(sv.tensor)} = cat(${mm.tid}.chunk({world}, {split_dim}), 0)")
+                return sv.tensor
+        return None
 
     def _reduce_scatter(
         self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, inp: torch.Tensor, reduce_op: str,
@@ -350,25 +401,39 @@ class EagerMicroPipeline:
             return out
         out = inp.new_empty((inp.shape[0] // world, *inp.shape[1:]))
         record = self._new_reduce_scatter_record(reduce_op, inp, out, group)
-        mm = self._store.matmul_output_of(inp) if self._store else None
-        if mm is not None and out.numel() % mm.out.shape[1] == 0:
+        found = self._store.standalone_output(inp) if self._store else None
+        why_not = self._why_not_produce(found, out) if found is not None else (
+            "its input is not the pending output of a matmul"
+        )
+        if found is not None and why_not is None:
+            mm, scatter_view = found
             self._store.remove(mm)
             self._flush(f"{func} issued")  # earlier work first: same collective order
-            plan = ReduceScatterPlan(out, reduce_op, group, record, matmul=mm)
-            reason = ""
+            plan = ReduceScatterPlan(out, reduce_op, group, record, matmul=mm, scatter_view=scatter_view)
         else:
-            if mm is not None:
-                reason = (
-                    f"its input {tensor_str(inp)} does not split into per-rank blocks of "
-                    f"whole rows of the matmul output {tensor_str(mm.out)}"
-                )
-            else:
-                reason = "its input is not the pending output of a matmul"
             if self._store:
                 self._flush(f"{func} issued")
             plan = ReduceScatterPlan(out, reduce_op, group, record, inp=inp.contiguous())
-        self._issue(plan, reason)
+        self._issue(plan, why_not or "")
         return out
+
+    @staticmethod
+    def _why_not_produce(found: tuple[PendingMatmul, ScatterView | None], out: torch.Tensor) -> str | None:
+        """Why a reduce-scatter cannot produce its chunks from this matmul, if it cannot."""
+        mm, sv = found
+        n = mm.out.shape[1]
+        if sv is None:
+            if out.numel() % n:
+                return (
+                    f"its chunks {tensor_str(out)} are not whole rows of the matmul output "
+                    f"{tensor_str(mm.out)}"
+                )
+            return None
+        if not mm.a.is_contiguous():
+            return f"it scatters along dim {sv.dim} and the matmul's A {tensor_str(mm.a)} is not contiguous"
+        if mm.bias is not None and mm.bias.dim() == 2 and mm.bias.shape[0] != 1:
+            return f"it scatters along dim {sv.dim} and the bias {tensor_str(mm.bias)} differs per row"
+        return None
 
     def _new_reduce_scatter_record(
         self, reduce_op: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
@@ -406,6 +471,14 @@ def _has_dispatch_override(t: type) -> bool:
 
 def _is_metadata_only(func: torch._ops.OpOverload) -> bool:
     return func in _PENDING_PASSTHROUGH or (func.is_view and not func._schema.is_mutable)
+
+
+def _same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
+    """True if ``tensors`` are exactly the views ``expected`` (same storage layout)."""
+    return len(tensors) == len(expected) and all(
+        t.shape == e.shape and t.stride() == e.stride() and t.storage_offset() == e.storage_offset()
+        for t, e in zip(tensors, expected)
+    )
 
 
 def _matmul_shape_error(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -504,6 +577,18 @@ def _reduce_scatter(p: EagerMicroPipeline, func, args, kwargs):
     if group is None:
         return func(*args, **kwargs)
     return p._reduce_scatter(func, args, kwargs, inp, reduce_op, group)
+
+
+@_register([aten.cat.default])
+def _cat(p: EagerMicroPipeline, func, args, kwargs):
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if p._store:
+        deferred = p._defer_chunk_cat(tensors, dim)
+        if deferred is not None:
+            return deferred
+        p._flush_if_needed(func, args, kwargs)
+    return func(*args, **kwargs)
 
 
 @_register([aten.mm.default])

@@ -18,7 +18,7 @@ from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
 from eagertp.backends.base import ChunkConsumer, ChunkProducer
 from eagertp.backends.reference import ReferenceBackend
-from eagertp.deferred import Operand, PendingGather, PendingMatmul
+from eagertp.deferred import Operand, PendingGather, PendingMatmul, ScatterView
 from eagertp.trace import CollectiveRecord
 
 aten = torch.ops.aten
@@ -67,18 +67,23 @@ class AllGatherMatmulPlan:
     def checks(self) -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
         """(what, got, plain eager, exact?) for every tensor this plan wrote."""
         g = self.gather
-        ag_ref, mm_refs = self.reference()
+        view_refs, mm_refs = self.reference()
         what = f"all_gather {tensor_str(g.shard)} -> {tensor_str(g.out)} on {group_str(g.group)}"
-        checks = [(what, g.out, ag_ref, True)]
+        checks = [
+            (what if v.dim == 0 else f"{what}, seen along dim {v.dim}", v.tensor, ref, True)
+            for v, ref in zip(g.views, view_refs)
+        ]
         for mm, ref in zip(g.consumers, mm_refs):
             checks.append((f"{mm.op} of {what} with B {_b_str(mm)}", mm.out, ref, False))
         return checks
 
     def consumer(self) -> ChunkConsumer | None:
-        if not self.fused:
+        # Views gathered along dim > 0 are filled chunk by chunk too (the copy
+        # plain eager's cat would do, overlapped with the transfers).
+        steps = [view.fill for view in self.gather.views[1:]]
+        steps += [_chunk_step(mm) for mm in self.gather.consumers]
+        if not steps:
             return None
-        world = self.gather.group.size()
-        steps = [_chunk_step(mm, world) for mm in self.gather.consumers]
 
         def consume(chunk: torch.Tensor, src: int) -> None:
             for step in steps:
@@ -91,17 +96,18 @@ class AllGatherMatmulPlan:
         arrow = f" -> {outs}" if outs else ""
         return f"{self.name}(${self.gather.tid}{arrow})"
 
-    def reference(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Plain eager: the collective, then every consumer on the whole tensor."""
+    def reference(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Plain eager: the collective, the cats, then every matmul on whole tensors."""
         g = self.gather
         ag = torch.empty_like(g.out)
         ReferenceBackend().all_gather_consume(g.shard, None, ag, g.group)
+        views = {id(v): torch.cat(ag.chunk(v.world), v.dim) for v in g.views}
         results = []
         for mm in g.consumers:
-            a, b = _whole_operands(mm, ag, g.group.size())
+            a, b = _whole_operands(mm, views[id(mm.view)])
             results.append(torch.empty_like(mm.out))
             mm.compute(a, b, results[-1])
-        return ag, results
+        return [views[id(v)] for v in g.views], results
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,6 +132,7 @@ class ReduceScatterPlan:
     record: CollectiveRecord
     inp: torch.Tensor | None = None  # unfused: the tensor to reduce-scatter
     matmul: PendingMatmul | None = None  # fused: the producer's matmul
+    scatter_view: ScatterView | None = None  # fused, scattering along dim > 0
     kind = "reduce_scatter"
 
     @property
@@ -153,17 +160,37 @@ class ReduceScatterPlan:
         if self.matmul is None:
             assert self.inp is not None, "a reduce-scatter plan needs an input or a matmul"
             return _copy_chunks(self.inp.view(self.group.size(), *self.out.shape))
-        mm = self.matmul
-        m, n = self.out.numel() // mm.out.shape[1], mm.out.shape[1]
-        bias = None if mm.bias is None else mm.bias.expand(mm.out.shape)
+        mm, sv = self.matmul, self.scatter_view
+        n = mm.out.shape[1]
+        if sv is None:
+            m = self.out.numel() // n
+
+            def a_rows(c: int) -> torch.Tensor:
+                return mm.a[c * m : (c + 1) * m]
+
+            bias = None if mm.bias is None else mm.bias.expand(mm.out.shape)
+
+            def bias_rows(c: int) -> torch.Tensor:
+                return bias[c * m : (c + 1) * m]
+
+        else:
+            # Chunk c holds the rows of out.view(sv.shape) whose index along
+            # sv.dim lies in block c: take the same rows of A (A is contiguous).
+            a_nd = mm.a.view(*sv.shape[:-1], mm.a.shape[1])
+            block = sv.shape[sv.dim] // sv.world
+
+            def a_rows(c: int) -> torch.Tensor:
+                return a_nd.narrow(sv.dim, c * block, block).reshape(-1, mm.a.shape[1])
+
+            def bias_rows(c: int) -> torch.Tensor:
+                return mm.bias  # the same for every row (checked before fusing)
 
         def produce(c: int, buf: torch.Tensor) -> None:
-            rows = slice(c * m, (c + 1) * m)
-            out = buf.view(m, n)
-            if bias is None:
-                torch.mm(mm.a[rows], mm.b, out=out)
+            out = buf.view(-1, n)
+            if mm.bias is None:
+                torch.mm(a_rows(c), mm.b, out=out)
             else:
-                torch.addmm(bias[rows], mm.a[rows], mm.b, beta=mm.beta, alpha=mm.alpha, out=out)
+                torch.addmm(bias_rows(c), a_rows(c), mm.b, beta=mm.beta, alpha=mm.alpha, out=out)
 
         return produce
 
@@ -176,9 +203,11 @@ class ReduceScatterPlan:
         if self.matmul is None:
             full = self.inp
         else:
-            mm = self.matmul
+            mm, sv = self.matmul, self.scatter_view
             full = torch.empty_like(mm.out)
             mm.compute(mm.a, mm.b, full)
+            if sv is not None:
+                full = torch.cat(full.view(sv.shape).chunk(sv.world, sv.dim), 0)
         out = torch.empty_like(self.out)
         chunks = full.reshape(self.group.size(), *self.out.shape)
         ReferenceBackend().produce_reduce_scatter(_copy_chunks(chunks), out, self.group, self.reduce_op)
@@ -201,39 +230,47 @@ def _b_str(mm: PendingMatmul) -> str:
     return "gathered" if mm.b is None else tensor_str(mm.b)
 
 
-def _chunk_step(mm: PendingMatmul, world: int) -> Callable[[torch.Tensor, int], None]:
-    """The part of ``mm`` that rank ``src``'s chunk enables, as a callable."""
+def _chunk_step(mm: PendingMatmul) -> Callable[[torch.Tensor, int], None]:
+    """The part of ``mm`` that rank ``src``'s chunk enables, as a callable
+    (Note [Matmul operands of a gather])."""
+    view = mm.view
+    assert view is not None, "only gather consumers have chunk steps"
     if mm.operand is Operand.ROWS:
         m, n = mm.out.shape
-        rows = m // world
-        out = mm.out.view(world, rows, n)  # out[i]: rows computed from rank i's chunk
-        k = mm.b.shape[0]
+        c = mm.b.shape[0]
         bias = None if mm.bias is None else mm.bias.expand(m, n)  # as addmm broadcasts
 
         def rows_step(chunk: torch.Tensor, src: int) -> None:
-            g = chunk.view(rows, k)
+            g = chunk.view(-1, c)
+            out = view.rows_of(mm.out, src) if view.dim == 0 else None  # contiguous rows
             if bias is None:
-                torch.mm(g, mm.b, out=out[src])
+                res = torch.mm(g, mm.b, out=out)
             else:
-                torch.addmm(
-                    bias[src * rows : (src + 1) * rows], g, mm.b, beta=mm.beta, alpha=mm.alpha, out=out[src]
-                )
+                b_rows = view.rows_of(bias, src)
+                res = torch.addmm(b_rows, g, mm.b, beta=mm.beta, alpha=mm.alpha, out=out)
+            if out is None:  # rows R_src are strided in mm.out: place them
+                lead = view.tensor.shape[:-1]
+                out_rows = mm.out.view(*lead, n).narrow(view.dim, src * view.block, view.block)
+                out_rows.copy_(res.view(out_rows.shape))
 
         return rows_step
 
-    # Contraction over the gathered rows: sum of one partial product per chunk.
+    # Contraction over the gathered rows (or columns): one partial product per chunk.
     if mm.operand is Operand.ROWS_T:
-        rows = mm.b.shape[0] // world
 
         def factors(chunk: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return chunk.view(rows, -1).t(), mm.b[src * rows : (src + 1) * rows]
+            return chunk.view(-1, mm.out.shape[0]).t(), view.rows_of(mm.b, src)
+
+    elif mm.operand is Operand.B_ROWS:
+
+        def factors(chunk: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return view.rows_of(mm.a.t(), src).t(), chunk.view(-1, mm.out.shape[1])
 
     else:
-        assert mm.operand is Operand.B_ROWS, f"unknown operand {mm.operand}"
-        rows = mm.a.shape[1] // world
+        assert mm.operand is Operand.COLS, f"unknown operand {mm.operand}"
 
         def factors(chunk: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return mm.a[:, src * rows : (src + 1) * rows], chunk.view(rows, -1)
+            return chunk.view(mm.out.shape[0], -1), mm.b[src * view.block : (src + 1) * view.block]
 
     arrived = 0
 
@@ -249,9 +286,10 @@ def _chunk_step(mm: PendingMatmul, world: int) -> Callable[[torch.Tensor, int], 
     return accumulate_step
 
 
-def _whole_operands(mm: PendingMatmul, ag: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if mm.operand is Operand.ROWS:
-        return ag.view(mm.out.shape[0], -1), mm.b
+def _whole_operands(mm: PendingMatmul, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands plain eager multiplies, given the whole gathered view."""
+    if mm.operand is Operand.B_ROWS:
+        return mm.a, gathered.reshape(mm.a.shape[1], -1)
     if mm.operand is Operand.ROWS_T:
-        return ag.view(mm.b.shape[0], -1).t(), mm.b
-    return mm.a, ag.view(mm.a.shape[1], -1)
+        return gathered.reshape(mm.b.shape[0], -1).t(), mm.b
+    return gathered.reshape(mm.out.shape[0], -1), mm.b

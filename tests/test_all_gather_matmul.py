@@ -142,6 +142,56 @@ def test_linear_gather_dim0(pool, world, bias, shard_shape, dtype):
         _assert_fused(r, calls=1, matmuls=1)
 
 
+# -- gather dims > 0 (funcol's split + cat) ------------------------------------------
+
+
+def _gather_dim_worker(rank, group, shard_shape, gather_dim, bias, dtype_name):
+    dtype = DTYPES[dtype_name]
+    world = group.size()
+    x = integer_tensor(shard_shape, dtype, seed=rank)
+    k = shard_shape[-1] * (world if gather_dim in (-1, len(shard_shape) - 1) else 1)
+    w = integer_tensor((5, k), dtype, seed=60)
+    b = integer_tensor((5,), dtype, seed=61) if bias else None
+    g = all_gather(x, group, gather_dim)
+    expected = (g.clone(), F.linear(g, w, b))
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        g = all_gather(x, group, gather_dim)
+        got = F.linear(g, w, b)
+    return {
+        "ok": [torch.equal(g, expected[0]), torch.equal(got, expected[1])],
+        "trace": pipe.debug_string(),
+        **fusion_report(pipe, counter),
+    }
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(
+    "shard_shape,gather_dim",
+    [((2, 3, 8), 1), ((2, 3, 2, 8), 2), ((2, 3, 8), 2), ((3, 8), 1), ((1, 3, 8), 1)],
+    ids=["3d-dim1", "4d-dim2", "3d-last", "2d-last", "3d-dim1-view"],
+)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gather_dims_above_zero_fuse(pool, world, shard_shape, gather_dim, bias):
+    """Gathers along inner dims become cat(ag.chunk(W), dim) (or a view): the
+    cat is filled chunk by chunk and the linear reads rows (or, along the last
+    dim, columns) per rank."""
+    for r in pool.run(_gather_dim_worker, world, shard_shape, gather_dim, bias, "f32"):
+        assert all(r["ok"]), r
+        _assert_fused(r, calls=1, matmuls=1)
+
+
+def test_gather_dim_trace(pool):
+    r0 = pool.run(_gather_dim_worker, 2, (2, 3, 8), 1, False, "f32")[0]
+    from expecttest import assert_expected_inline
+
+    assert_expected_inline(r0["trace"], """\
+$0: f32[4, 3, 8] = all_gather(f32[2, 3, 8], group '2' (2 ranks))
+$1: f32[2, 6, 8] = cat($0.chunk(2), 1)
+$2: f32[12, 5] = mm($1, f32[8, 5])
+flush: block exited
+all_gather_matmul($0 -> $2) [ring]""")
+
+
 # -- contraction over the gathered rows (weight gradients) -------------------------
 
 

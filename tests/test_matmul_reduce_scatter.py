@@ -25,16 +25,16 @@ def _assert_fused(report: dict, calls: int = 1) -> None:
     assert report["p2p_ops"] > 0, report
 
 
-def _rs_worker(rank, group, in_shape, n, dtype_name, reduce_op, bias, integer=True):
+def _rs_worker(rank, group, in_shape, n, dtype_name, reduce_op, bias, integer=True, scatter_dim=0):
     """Row-parallel linear: y = F.linear(h, w_shard[, b]); reduce_scatter(y)."""
     dtype = DTYPES[dtype_name]
     make = integer_tensor if integer else random_tensor
     h = make(in_shape, dtype, seed=rank)
     w = make((n, in_shape[-1]), dtype, seed=100 + rank)  # each rank's weight shard differs
     b = make((n,), dtype, seed=200 + rank) if bias else None
-    expected = reduce_scatter(F.linear(h, w, b), group, reduce_op)
+    expected = reduce_scatter(F.linear(h, w, b), group, reduce_op, scatter_dim)
     with OpCounter() as counter, EagerMicroPipeline() as pipe:
-        got = reduce_scatter(F.linear(h, w, b), group, reduce_op)
+        got = reduce_scatter(F.linear(h, w, b), group, reduce_op, scatter_dim)
     return {"got": got, "expected": expected, "explain": pipe.explain(), **fusion_report(pipe, counter)}
 
 
@@ -47,6 +47,19 @@ def test_matmul_reduce_scatter_bitwise(pool, world, in_shape, reduce_op, bias):
         in_shape = (world * in_shape[0], *in_shape[1:])
     for rank, r in enumerate(pool.run(_rs_worker, world, in_shape, 6, "f32", reduce_op, bias)):
         assert r["got"].shape == r["expected"].shape
+        assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
+        _assert_fused(r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(
+    "in_shape,scatter_dim", [((2, 8, 8), 1), ((2, 2, 4, 8), 2), ((2, 4, 4, 8), 1)], ids=["3d-dim1", "4d-dim2", "4d-dim1"]
+)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_scatter_dims_above_zero_fuse(pool, world, in_shape, scatter_dim, bias):
+    """funcol scatters along dim d > 0 as cat(y.chunk(W, d), 0): the producer
+    computes the rows of each block along d directly."""
+    for rank, r in enumerate(pool.run(_rs_worker, world, in_shape, 6, "f32", "sum", bias, True, scatter_dim)):
         assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
         _assert_fused(r)
 
@@ -134,10 +147,10 @@ def test_reduce_scatter_on_unmanaged_group_passes_through(pool):
         assert r["plain_reduce_scatters"] == 1
 
 
-def _sp_mlp_worker(rank, group, backend):
-    """Sequence-parallel MLP, forward and backward: every TP collective fuses."""
-    world = group.size()
-    x0 = integer_tensor((2, 8), torch.float32, seed=rank)
+def _sp_mlp_worker(rank, group, backend, seq_dim):
+    """Sequence-parallel MLP, forward and backward: every TP collective fuses.
+    ``seq_dim`` 0 is Megatron's [S, B, H] layout, 1 is batch-first [B, S, H]."""
+    x0 = integer_tensor((2, 3, 8) if seq_dim else (2, 8), torch.float32, seed=rank)
     w1 = integer_tensor((4 * 2, 8), torch.float32, seed=10 + rank)  # column shard [F/W, H]
     b1 = integer_tensor((4 * 2,), torch.float32, seed=20 + rank)
     w2 = integer_tensor((8, 4 * 2), torch.float32, seed=30 + rank)  # row shard [H, F/W]
@@ -146,8 +159,8 @@ def _sp_mlp_worker(rank, group, backend):
     def step(ctx):
         x, p1, q1, p2 = (t.clone().requires_grad_() for t in (x0, w1, b1, w2))
         with ctx:
-            h = F.linear(all_gather(x, group), p1, q1)
-            y = reduce_scatter(F.linear(h, p2), group)
+            h = F.linear(all_gather(x, group, seq_dim), p1, q1)
+            y = reduce_scatter(F.linear(h, p2), group, "sum", seq_dim)
             (y * y).sum().backward()
         return [y.detach(), x.grad, p1.grad, q1.grad, p2.grad]
 
@@ -156,14 +169,14 @@ def _sp_mlp_worker(rank, group, backend):
     expected = step(contextlib.nullcontext())
     pipe = EagerMicroPipeline(backend=backend)
     got = step(pipe)
-    del world
     return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], "stats": dict(pipe.stats), "explain": pipe.explain()}
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("backend", ["ring", "reference"])
-def test_sequence_parallel_mlp_forward_backward_all_fused(pool, world, backend):
-    results = pool.run(_sp_mlp_worker, world, backend)
+@pytest.mark.parametrize("seq_dim", [0, 1], ids=["seq-first", "batch-first"])
+def test_sequence_parallel_mlp_forward_backward_all_fused(pool, world, backend, seq_dim):
+    results = pool.run(_sp_mlp_worker, world, backend, seq_dim)
     for r in results:
         assert all(r["ok"]), r
         # forward: AG+addmm, mm+RS; backward: AG(grad) + dgrad & wgrad, mm+RS(dx)
