@@ -40,7 +40,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -180,14 +181,115 @@ class PendingMatmul:
         else:
             torch.addmm(self.bias, a, b, beta=self.beta, alpha=self.alpha, out=out)
 
-    def issue_standalone(self) -> None:
+    def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
+        """``out = select(self)``: the selected rows of this standalone matmul."""
+        assert self.a is not None and self.b is not None, "a gather consumer has no rows of its own"
+        if self.bias is None:
+            torch.mm(select(self.a), self.b, out=out)
+        else:
+            bias = select(self.bias.expand(self.out.shape))
+            torch.addmm(bias, select(self.a), self.b, beta=self.beta, alpha=self.alpha, out=out)
+
+    def compute_all(self, out: torch.Tensor) -> None:
         assert self.a is not None and self.b is not None, "a gather consumer is issued by its gather"
-        self.compute(self.a, self.b, self.out)
-        for sv in self.scatter_views:
-            sv.fill(self.out)
+        self.compute(self.a, self.b, out)
+
+    def issue_standalone(self) -> None:
+        _issue_product(self)
+
+    def unobserved(self) -> bool:
+        return _unobserved(self)
 
     def inputs(self) -> list[torch.Tensor]:
         return [t for t in (self.a, self.b, self.bias) if t is not None]
+
+
+@dataclasses.dataclass(eq=False)
+class PendingSum:
+    """``out = terms[0].out + terms[1].out + ...`` of standalone pending matmuls,
+    not yet computed: autograd's accumulation of an input gradient that several
+    matmuls produced (dX = dQ @ Wq + dK @ Wk + dV @ Wv). The terms stay pending
+    items of their own; one whose output nobody can reach is never computed."""
+
+    terms: list[PendingMatmul]
+    out: torch.Tensor  # placeholder [M, N]
+    tid: int
+    scatter_views: list[ScatterView] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        return " + ".join(f"{t.name}" for t in self.terms) + f" -> ${self.tid}"
+
+    def render(self) -> str:
+        return f"${self.tid}: {tensor_str(self.out)} = " + " + ".join(f"${t.tid}" for t in self.terms)
+
+    def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
+        # Sum left to right, each product rounded on its own, as plain eager adds them.
+        self.terms[0].compute_rows(select, out)
+        for term in self.terms[1:]:
+            part = torch.empty_like(out)
+            term.compute_rows(select, part)
+            out.add_(part)
+
+    def compute_all(self, out: torch.Tensor) -> None:
+        self.compute_rows(_all_rows, out)
+
+    def issue_standalone(self) -> None:
+        _issue_product(self)
+
+    def unobserved(self) -> bool:
+        return _unobserved(self)
+
+    def inputs(self) -> list[torch.Tensor]:
+        return [t for term in self.terms for t in term.inputs()]
+
+
+Product = PendingMatmul | PendingSum
+
+# select(t): the rows of t [M, X] that one chunk of a reduce-scatter needs.
+RowSelect = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _all_rows(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _issue_product(product: Product) -> None:
+    product.compute_all(product.out)
+    for sv in product.scatter_views:
+        sv.fill(product.out)
+
+
+def _python_refs(t: torch.Tensor) -> int:
+    """References to ``t``: the caller's, this parameter and getrefcount's argument."""
+    return sys.getrefcount(t)
+
+
+class _Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.out = t
+
+
+# What _python_refs(item.out) reads when only the item holds the tensor, measured
+# the same way so that interpreter details cancel out.
+_holder = _Holder(torch.empty(0))
+_ONLY_HELD = _python_refs(_holder.out)
+del _holder
+
+
+def _unobserved(product: Product) -> bool:
+    """True if nothing but this pending item can reach its placeholders: no
+    Python reference, no C++ holder (autograd), no view sharing the storage.
+    Then computing it would be work that nobody can observe."""
+    if _python_refs(product.out) > _ONLY_HELD:
+        return False
+    if any(_python_refs(sv.tensor) > _ONLY_HELD for sv in product.scatter_views):
+        return False
+    return all(_unshared(t) for t in (product.out, *(sv.tensor for sv in product.scatter_views)))
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    # NB: untyped_storage() makes a Python storage object: one more use while it lives.
+    return t._use_count() == 1 and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
 
 
 @dataclasses.dataclass(eq=False)
@@ -210,7 +312,7 @@ class PendingGather:
         return next((v for v in self.views if storage_key(v.tensor) == key), None)
 
 
-Pending = PendingGather | PendingMatmul
+Pending = PendingGather | Product
 
 
 class PendingStore:
@@ -237,9 +339,13 @@ class PendingStore:
         gather.views.append(view)
         self._owner[storage_key(view.tensor)] = gather
 
-    def add_scatter_view(self, mm: PendingMatmul, view: ScatterView) -> None:
-        mm.scatter_views.append(view)
-        self._owner[storage_key(view.tensor)] = mm
+    def add_scatter_view(self, product: Product, view: ScatterView) -> None:
+        product.scatter_views.append(view)
+        self._owner[storage_key(view.tensor)] = product
+
+    def add_sum(self, total: PendingSum) -> None:
+        self.items.append(total)
+        self._owner[storage_key(total.out)] = total
 
     def add_matmul(self, mm: PendingMatmul, gather: PendingGather | None = None) -> None:
         """A consumer of ``gather``, or a standalone matmul when it is None."""
@@ -250,10 +356,10 @@ class PendingStore:
         self._owner[storage_key(mm.out)] = gather or mm
         self._inputs.update(storage_key(t) for t in mm.inputs())
 
-    def remove(self, mm: PendingMatmul) -> None:
-        """Take a standalone matmul out: its consumer issues it (fused)."""
-        self.items.remove(mm)
-        for t in [mm.out, *(sv.tensor for sv in mm.scatter_views)]:
+    def remove(self, product: Product) -> None:
+        """Take a standalone product out: its consumer issues it (fused)."""
+        self.items.remove(product)
+        for t in [product.out, *(sv.tensor for sv in product.scatter_views)]:
             del self._owner[storage_key(t)]
 
     def owner(self, t: torch.Tensor) -> Pending | None:
@@ -268,16 +374,16 @@ class PendingStore:
                 return item, view
         return None
 
-    def standalone_output(self, t: torch.Tensor) -> tuple[PendingMatmul, ScatterView | None] | None:
-        """The standalone pending matmul whose whole output (or whole scatter
+    def standalone_output(self, t: torch.Tensor) -> tuple[Product, ScatterView | None] | None:
+        """The standalone pending product whose whole output (or whole scatter
         view) ``t`` is, if any."""
-        mm = self.owner(t)
-        if not isinstance(mm, PendingMatmul) or not t.is_contiguous():
+        product = self.owner(t)
+        if isinstance(product, PendingGather) or product is None or not t.is_contiguous():
             return None
         key = storage_key(t)
-        for whole, sv in [(mm.out, None), *((sv.tensor, sv) for sv in mm.scatter_views)]:
+        for whole, sv in [(product.out, None), *((sv.tensor, sv) for sv in product.scatter_views)]:
             if storage_key(whole) == key and t.storage_offset() == whole.storage_offset() and t.numel() == whole.numel():
-                return mm, sv
+                return product, sv
         return None
 
     def tid_of(self, t: torch.Tensor) -> int:

@@ -43,6 +43,8 @@ from eagertp.deferred import (
     PendingGather,
     PendingMatmul,
     PendingStore,
+    PendingSum,
+    Product,
     ScatterView,
     tensor_leaves,
 )
@@ -187,12 +189,8 @@ class EagerMicroPipeline:
     # -- dispatch ----------------------------------------------------------
 
     def _dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            return handler(self, func, args, kwargs)
-        if self._store:
-            self._flush_if_needed(func, args, kwargs)
-        return func(*args, **kwargs)
+        handler = _HANDLERS.get(func, _passthrough)
+        return handler(self, func, args, kwargs)
 
     def _manages(self, group: dist.ProcessGroup) -> bool:
         return self.group is None or group.group_name == self.group.group_name
@@ -227,6 +225,10 @@ class EagerMicroPipeline:
                     if isinstance(item, PendingGather):
                         plan = AllGatherMatmulPlan(item)
                         self._issue(plan, f"no matmul consumed it before {reason}")
+                    elif item.unobserved():
+                        # Nothing can read it (e.g. a term a fused sum already produced).
+                        self.stats["skipped_unobserved_matmuls"] += 1
+                        self._trace.event(f"skip ${item.tid}: nothing can read it")
                     else:
                         with torch._C._AutoDispatchBelowADInplaceOrView():
                             item.issue_standalone()
@@ -406,10 +408,10 @@ class EagerMicroPipeline:
             "its input is not the pending output of a matmul"
         )
         if found is not None and why_not is None:
-            mm, scatter_view = found
-            self._store.remove(mm)
+            product, scatter_view = found
+            self._store.remove(product)
             self._flush(f"{func} issued")  # earlier work first: same collective order
-            plan = ReduceScatterPlan(out, reduce_op, group, record, matmul=mm, scatter_view=scatter_view)
+            plan = ReduceScatterPlan(out, reduce_op, group, record, product=product, scatter_view=scatter_view)
         else:
             if self._store:
                 self._flush(f"{func} issued")
@@ -418,22 +420,31 @@ class EagerMicroPipeline:
         return out
 
     @staticmethod
-    def _why_not_produce(found: tuple[PendingMatmul, ScatterView | None], out: torch.Tensor) -> str | None:
-        """Why a reduce-scatter cannot produce its chunks from this matmul, if it cannot."""
-        mm, sv = found
-        n = mm.out.shape[1]
-        if sv is None:
-            if out.numel() % n:
-                return (
-                    f"its chunks {tensor_str(out)} are not whole rows of the matmul output "
-                    f"{tensor_str(mm.out)}"
-                )
-            return None
-        if not mm.a.is_contiguous():
-            return f"it scatters along dim {sv.dim} and the matmul's A {tensor_str(mm.a)} is not contiguous"
-        if mm.bias is not None and mm.bias.dim() == 2 and mm.bias.shape[0] != 1:
-            return f"it scatters along dim {sv.dim} and the bias {tensor_str(mm.bias)} differs per row"
+    def _why_not_produce(found: tuple[Product, ScatterView | None], out: torch.Tensor) -> str | None:
+        """Why a reduce-scatter cannot produce its chunks from this product, if it cannot."""
+        product, scatter_view = found
+        if scatter_view is None and out.numel() % product.out.shape[1]:
+            return (
+                f"its chunks {tensor_str(out)} are not whole rows of the matmul output "
+                f"{tensor_str(product.out)}"
+            )
         return None
+
+    def _defer_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Defer ``x + y`` of two whole pending products (autograd accumulating an
+        input gradient): a reduce-scatter of the sum can then produce each chunk
+        as a sum of matmul rows. None if that is not it."""
+        found_x, found_y = self._store.standalone_output(x), self._store.standalone_output(y)
+        if found_x is None or found_y is None or found_x[1] is not None or found_y[1] is not None:
+            return None
+        (px, _), (py, _) = found_x, found_y
+        if px is py or x.shape != y.shape or x.dtype != y.dtype or px.out.shape != py.out.shape:
+            return None
+        terms = [t for p in (px, py) for t in (p.terms if isinstance(p, PendingSum) else [p])]
+        total = PendingSum(terms, px.out.new_empty(px.out.shape), self._store.next_tid())
+        self._store.add_sum(total)
+        self._trace.event(total.render())
+        return total.out.view(x.shape)
 
     def _new_reduce_scatter_record(
         self, reduce_op: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
@@ -579,6 +590,22 @@ def _reduce_scatter(p: EagerMicroPipeline, func, args, kwargs):
     return p._reduce_scatter(func, args, kwargs, inp, reduce_op, group)
 
 
+@_register([aten.add.Tensor])
+def _add(p: EagerMicroPipeline, func, args, kwargs):
+    if p._store and len(args) == 2 and kwargs.get("alpha", 1) == 1 and all(isinstance(t, torch.Tensor) for t in args):
+        deferred = p._defer_sum(*args)
+        if deferred is not None:
+            return deferred
+    return _passthrough(p, func, args, kwargs)
+
+
+def _passthrough(p: EagerMicroPipeline, func, args, kwargs):
+    """What an op without a handler gets (see EagerMicroPipeline._dispatch)."""
+    if p._store:
+        p._flush_if_needed(func, args, kwargs)
+    return func(*args, **kwargs)
+
+
 @_register([aten.cat.default])
 def _cat(p: EagerMicroPipeline, func, args, kwargs):
     tensors = args[0]
@@ -587,8 +614,7 @@ def _cat(p: EagerMicroPipeline, func, args, kwargs):
         deferred = p._defer_chunk_cat(tensors, dim)
         if deferred is not None:
             return deferred
-        p._flush_if_needed(func, args, kwargs)
-    return func(*args, **kwargs)
+    return _passthrough(p, func, args, kwargs)
 
 
 @_register([aten.mm.default])

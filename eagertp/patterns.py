@@ -18,7 +18,7 @@ from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
 from eagertp.backends.base import ChunkConsumer, ChunkProducer
 from eagertp.backends.reference import ReferenceBackend
-from eagertp.deferred import Operand, PendingGather, PendingMatmul, ScatterView
+from eagertp.deferred import Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView
 from eagertp.trace import CollectiveRecord
 
 aten = torch.ops.aten
@@ -131,81 +131,68 @@ class ReduceScatterPlan:
     group: dist.ProcessGroup
     record: CollectiveRecord
     inp: torch.Tensor | None = None  # unfused: the tensor to reduce-scatter
-    matmul: PendingMatmul | None = None  # fused: the producer's matmul
+    product: Product | None = None  # fused: the matmul (or sum of matmuls) to produce
     scatter_view: ScatterView | None = None  # fused, scattering along dim > 0
     kind = "reduce_scatter"
 
     @property
     def fused(self) -> bool:
-        return self.matmul is not None
+        return self.product is not None
 
     def fused_with(self) -> list[str]:
-        assert self.matmul is not None, "an unfused reduce-scatter fused with nothing"
-        return [self.matmul.describe()]
+        assert self.product is not None, "an unfused reduce-scatter fused with nothing"
+        return [self.product.describe()]
 
     def run(self, backend: Backend) -> None:
         backend.produce_reduce_scatter(self.producer(), self.out, self.group, self.reduce_op)
 
     def checks(self) -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
         what = f"reduce_scatter({self.reduce_op}) -> {tensor_str(self.out)} on {group_str(self.group)}"
-        if self.matmul is not None:
-            what = f"{self.matmul.op} with B {_b_str(self.matmul)} then {what}"
-        return [(what, self.out, self.reference(), self.matmul is None)]
+        if self.product is not None:
+            what = f"{self.product.describe()} then {what}"
+        return [(what, self.out, self.reference(), self.product is None)]
 
     @property
     def name(self) -> str:
         return "matmul_reduce_scatter" if self.fused else "reduce_scatter"
 
     def producer(self) -> ChunkProducer:
-        if self.matmul is None:
+        if self.product is None:
             assert self.inp is not None, "a reduce-scatter plan needs an input or a matmul"
             return _copy_chunks(self.inp.view(self.group.size(), *self.out.shape))
-        mm, sv = self.matmul, self.scatter_view
-        n = mm.out.shape[1]
+        product, sv = self.product, self.scatter_view
+        n = product.out.shape[1]
         if sv is None:
-            m = self.out.numel() // n
+            m = self.out.numel() // n  # rows per chunk
 
-            def a_rows(c: int) -> torch.Tensor:
-                return mm.a[c * m : (c + 1) * m]
-
-            bias = None if mm.bias is None else mm.bias.expand(mm.out.shape)
-
-            def bias_rows(c: int) -> torch.Tensor:
-                return bias[c * m : (c + 1) * m]
+            def select_for(c: int) -> RowSelect:
+                return lambda t: t[c * m : (c + 1) * m]
 
         else:
             # Chunk c holds the rows of out.view(sv.shape) whose index along
-            # sv.dim lies in block c: take the same rows of A (A is contiguous).
-            a_nd = mm.a.view(*sv.shape[:-1], mm.a.shape[1])
-            block = sv.shape[sv.dim] // sv.world
+            # sv.dim lies in block c: select the same rows of every operand.
+            lead, block = sv.shape[:-1], sv.shape[sv.dim] // sv.world
 
-            def a_rows(c: int) -> torch.Tensor:
-                return a_nd.narrow(sv.dim, c * block, block).reshape(-1, mm.a.shape[1])
-
-            def bias_rows(c: int) -> torch.Tensor:
-                return mm.bias  # the same for every row (checked before fusing)
+            def select_for(c: int) -> RowSelect:
+                return lambda t: t.reshape(*lead, t.shape[-1]).narrow(sv.dim, c * block, block).reshape(-1, t.shape[-1])
 
         def produce(c: int, buf: torch.Tensor) -> None:
-            out = buf.view(-1, n)
-            if mm.bias is None:
-                torch.mm(a_rows(c), mm.b, out=out)
-            else:
-                torch.addmm(bias_rows(c), a_rows(c), mm.b, beta=mm.beta, alpha=mm.alpha, out=out)
+            product.compute_rows(select_for(c), buf.view(-1, n))
 
         return produce
 
     def render(self) -> str:
-        src = f"${self.matmul.tid}" if self.matmul is not None else tensor_str(self.inp)
+        src = f"${self.product.tid}" if self.product is not None else tensor_str(self.inp)
         return f"{self.name}({self.reduce_op}, {src})"
 
     def reference(self) -> torch.Tensor:
         """Plain eager: the whole matmul, then the collective."""
-        if self.matmul is None:
+        if self.product is None:
             full = self.inp
         else:
-            mm, sv = self.matmul, self.scatter_view
-            full = torch.empty_like(mm.out)
-            mm.compute(mm.a, mm.b, full)
+            sv = self.scatter_view
+            full = torch.empty_like(self.product.out)
+            self.product.compute_all(full)
             if sv is not None:
                 full = torch.cat(full.view(sv.shape).chunk(sv.world, sv.dim), 0)
         out = torch.empty_like(self.out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import pytest
 import torch.nn as nn
 from helpers import OpCounter, integer_tensor
 
@@ -64,3 +65,127 @@ def test_dtensor_colwise_rowwise_forward_backward(pool):
 def _both(outer, inner):
     with outer, inner:
         yield
+
+
+# -- a transformer block: attention + MLP, tensor + sequence parallel ---------------
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.gelu(self.w1(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(dim), _Attention(dim, heads)
+        self.ln2, self.mlp = nn.LayerNorm(dim), _MLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def _tp_plan():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    to_replicated = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "ln1": SequenceParallel(),
+        "attn": to_replicated,
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ln2": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.w1": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _transformer_worker(rank, group, steps):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+
+    def train(pipe):
+        torch.manual_seed(0)
+        model = parallelize_module(_Block(), mesh, _tp_plan())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, grads, stats = [], [], []
+        for step in range(steps):
+            x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step))
+            x = x.chunk(group.size(), dim=1)[rank].contiguous()  # sequence-parallel input
+            with pipe if pipe is not None else contextlib.nullcontext():
+                out = model(x)
+                loss = out.pow(2).mean()  # RowwiseParallel hands back local tensors
+                loss.backward()
+            losses.append(loss.item())
+            grads = [p.grad.full_tensor() for p in model.parameters()]
+            stats.append(dict(pipe.stats) if pipe is not None else None)
+            opt.step()
+            opt.zero_grad()
+        return losses, grads, stats
+
+    expected_losses, expected_grads, _ = train(None)
+    pipe = EagerMicroPipeline()
+    losses, grads, stats = train(pipe)
+    return {
+        "losses": (expected_losses, losses),
+        "grads_close": [torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(grads, expected_grads)],
+        "stats": stats,
+        "explain": pipe.explain(),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_transformer_block_trains_with_every_tp_collective_fused(pool, world):
+    """ColwiseParallel / RowwiseParallel / SequenceParallel / PrepareModuleInput on
+    attention (separate q, k, v) and an MLP with bias, several SGD steps."""
+    results = pool.run(_transformer_worker, world, 3)
+    for r in results:
+        expected, got = r["losses"]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert all(r["grads_close"]), r["grads_close"]
+        for stats in r["stats"]:
+            # forward: 2 gathers (attn, mlp) + 2 reduce-scatters; backward: the same again.
+            assert stats["all_gather_matmul"] == 4, stats
+            assert stats["matmul_reduce_scatter"] == 4, stats
+            assert stats.get("unfused_all_gather", 0) == 0 and stats.get("unfused_reduce_scatter", 0) == 0, stats
+    from expecttest import assert_expected_inline
+
+    if world == 2:
+        assert_expected_inline(results[0]["explain"], """\
+all_gather #0 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with mm -> $2, mm -> $3, mm -> $4 [ring]
+reduce_scatter(sum) #0 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with mm -> $5 [ring]
+all_gather #1 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with addmm -> $8 [ring]
+reduce_scatter(sum) #1 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with addmm -> $9 [ring]
+all_gather #2 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with mm -> $12, mm (gathered A.t()) -> $13 [ring]
+reduce_scatter(sum) #2 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with mm -> $14 [ring]
+all_gather #3 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with mm (gathered A.t()) -> $18, mm -> $19 [ring]
+reduce_scatter(sum) #3 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with mm + mm + mm -> $27 [ring]""")
