@@ -11,6 +11,10 @@ bookkeeping). An op that would read or write pending storage other than through
 a handler that understands it forces a flush first, so no program ever observes
 an unfilled placeholder.
 
+A new collective first issues everything pending, so at most one collective
+is pending at a time and collectives are issued in program order on every rank
+(Invariant 3); only matmuls (and sums of them) gather behind it.
+
 Pending entries are keyed by storage identity (``StorageImpl`` address). The
 store holds the placeholders, so their storages stay alive and a key cannot be
 reused while it is pending; a flush drops every entry.

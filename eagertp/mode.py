@@ -56,6 +56,7 @@ __all__ = ["EagerMicroPipeline", "VerificationError"]
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
+c10d_ops = torch.ops.c10d
 _c10d_functional = torch.ops._c10d_functional
 
 # Subclasses that desugar into plain ops we understand: return NotImplemented so
@@ -265,9 +266,14 @@ class EagerMicroPipeline:
 
     # -- deferral ----------------------------------------------------------
 
-    def _defer_gather(self, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def _defer_gather(
+        self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Record the gather; ``out`` (contiguous, gathered shape) is the
+        caller's output buffer, else a new placeholder is made."""
         shard = shard.contiguous()
-        out = shard.new_empty((shard.shape[0] * group.size(), *shard.shape[1:]))
+        if out is None:
+            out = shard.new_empty((shard.shape[0] * group.size(), *shard.shape[1:]))
         record = self._trace.new_collective(
             "all_gather", src=tensor_str(shard), dst=tensor_str(out), group=group_str(group)
         )
@@ -387,21 +393,30 @@ class EagerMicroPipeline:
         return None
 
     def _reduce_scatter(
-        self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, inp: torch.Tensor, reduce_op: str,
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple,
+        kwargs: dict,
+        inp: torch.Tensor,
+        reduce_op: str,
         group: dist.ProcessGroup,
-    ) -> torch.Tensor:
+        out: torch.Tensor | None = None,
+    ) -> Any:
+        """Issue a reduce-scatter (scatter dim 0) on a managed group, fused with
+        the pending product that makes its input where there is one. ``out`` is
+        the caller's output buffer (raw c10d), else a new tensor is returned."""
         world = group.size()
-        reduce_op = reduce_op.lower()
         if reduce_op not in REDUCE_OPS or inp.dim() == 0 or inp.shape[0] % world:
             # Plain eager either runs it (an op we have no ring for) or raises.
             if self._store:
                 self._flush(f"{func} issued")
-            out = func(*args, **kwargs)
-            record = self._new_reduce_scatter_record(reduce_op, inp, out, group)
+            result = func(*args, **kwargs)
+            record = self._new_reduce_scatter_record(reduce_op, inp, out if out is not None else result, group)
             self.stats["unfused_reduce_scatter"] += 1
             self._trace.mark_unfused(record, f"reduce_op {reduce_op!r} has no point-to-point implementation")
-            return out
-        out = inp.new_empty((inp.shape[0] // world, *inp.shape[1:]))
+            return result
+        if out is None:
+            out = inp.new_empty((inp.shape[0] // world, *inp.shape[1:]))
         record = self._new_reduce_scatter_record(reduce_op, inp, out, group)
         found = self._store.standalone_output(inp) if self._store else None
         why_not = self._why_not_produce(found, out) if found is not None else (
@@ -544,9 +559,7 @@ def _all_gather(p: EagerMicroPipeline, func, args, kwargs):
     if group is None:
         return func(*args, **kwargs)
     if p._store:
-        # The shard must hold data when the gather is eventually issued, and
-        # earlier pending work must be issued first in any case (same order).
-        p._flush_if_needed(func, (shard,), {})
+        p._flush(f"{func} issued")  # Note [Deferral boundary]: one pending collective
     return p._defer_gather(shard, group)
 
 
@@ -587,7 +600,73 @@ def _reduce_scatter(p: EagerMicroPipeline, func, args, kwargs):
     group = _managed_group(p, func, group_size, group_name)
     if group is None:
         return func(*args, **kwargs)
-    return p._reduce_scatter(func, args, kwargs, inp, reduce_op, group)
+    return p._reduce_scatter(func, args, kwargs, inp, reduce_op.lower(), group)
+
+
+# -- raw c10d (Megatron-style code): the caller's output buffer is the placeholder
+
+
+def _work(output: torch.Tensor) -> Any:
+    """The ``Work`` a raw c10d collective returns under the mode: a finished one.
+
+    The collective is either deferred (its output buffer is a placeholder whose
+    data arrives before anything can read it) or already complete, so waiting
+    is immediate and the future holds the output buffer, as a real one does.
+    """
+    # NB: a Python subclass of dist.Work would die with its last Python reference
+    # while C++ still holds the Work (whose wait() then blocks forever); a Work
+    # wrapping a completed future is a plain C++ object. A c10d op returns Work
+    # as a TorchBind object: boxed() makes one.
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result([output])
+    return torch._C._distributed_c10d._create_work_from_future(future).boxed()
+
+
+_REDUCE_OP_NAMES = {
+    int(dist.ReduceOp.RedOpType.SUM): "sum",
+    int(dist.ReduceOp.RedOpType.AVG): "avg",
+    int(dist.ReduceOp.RedOpType.MAX): "max",
+    int(dist.ReduceOp.RedOpType.MIN): "min",
+    int(dist.ReduceOp.RedOpType.PRODUCT): "product",
+}
+
+
+def _c10d_group(p: EagerMicroPipeline, func, process_group: Any) -> dist.ProcessGroup | None:
+    """Like _managed_group, for a raw c10d op's TorchBind ProcessGroup."""
+    group = dist.ProcessGroup.unbox(process_group)
+    return _managed_group(p, func, group.size(), group)
+
+
+@_register([c10d_ops._allgather_base_.default])
+def _c10d_all_gather(p: EagerMicroPipeline, func, args, kwargs):
+    """``dist.all_gather_into_tensor`` / ``all_gather_single`` / ``_all_gather_base``."""
+    output, shard, process_group = args[:3]
+    group = _c10d_group(p, func, process_group)
+    if group is None:
+        return func(*args, **kwargs)
+    world = group.size()
+    if shard.dim() == 0 or not output.is_contiguous() or output.numel() != world * shard.numel():
+        return _passthrough(p, func, args, kwargs)  # plain eager accepts it or raises
+    if p._store:
+        p._flush(f"{func} issued")  # Note [Deferral boundary]: one pending collective
+    p._defer_gather(shard, group, out=output.view(world * shard.shape[0], *shard.shape[1:]))
+    return output, _work(output)
+
+
+@_register([c10d_ops._reduce_scatter_base_.default])
+def _c10d_reduce_scatter(p: EagerMicroPipeline, func, args, kwargs):
+    """``dist.reduce_scatter_tensor`` / ``reduce_scatter_single`` / ``_reduce_scatter_base``."""
+    output, inp, process_group, reduce_op = args[:4]
+    group = _c10d_group(p, func, process_group)
+    if group is None:
+        return func(*args, **kwargs)
+    world = group.size()
+    name = _REDUCE_OP_NAMES.get(reduce_op.op(), f"c10d reduce op {reduce_op.op()}")
+    if inp.dim() == 0 or inp.shape[0] % world or not output.is_contiguous() or output.numel() * world != inp.numel():
+        return _passthrough(p, func, args, kwargs)  # plain eager accepts it or raises
+    out = output.view(inp.shape[0] // world, *inp.shape[1:])
+    result = p._reduce_scatter(func, args, kwargs, inp, name, group, out=out)
+    return result if isinstance(result, tuple) else (output, _work(output))
 
 
 @_register([aten.add.Tensor])

@@ -181,3 +181,51 @@ def test_sequence_parallel_mlp_forward_backward_all_fused(pool, world, backend, 
         assert all(r["ok"]), r
         # forward: AG+addmm, mm+RS; backward: AG(grad) + dgrad & wgrad, mm+RS(dx)
         assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
+
+
+def _qkv_backward_worker(rank, group, use_checkpoint):
+    """Column-parallel q, k, v on one gathered input: in backward, the input
+    gradient dQ @ Wq + dK @ Wk + dV @ Wv is reduce-scattered as ONE fused
+    producer of summed matmul rows."""
+    import contextlib
+
+    from helpers import all_gather
+    from torch.utils.checkpoint import checkpoint
+
+    x0 = integer_tensor((4, 8), torch.float32, seed=rank)
+    ws0 = [integer_tensor((4, 8), torch.float32, seed=10 * i + rank) for i in range(3)]
+
+    def block(x, wq, wk, wv):
+        g = all_gather(x, group)
+        q, k, v = F.linear(g, wq), F.linear(g, wk), F.linear(g, wv)
+        return q * k + v
+
+    def step(ctx):
+        x, *ws = (t.clone().requires_grad_() for t in (x0, *ws0))
+        with ctx:
+            out = checkpoint(block, x, *ws, use_reentrant=False) if use_checkpoint else block(x, *ws)
+            out.sum().backward()
+        return [out.detach(), x.grad, *(w.grad for w in ws)]
+
+    expected = step(contextlib.nullcontext())
+    pipe = EagerMicroPipeline()
+    got = step(pipe)
+    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], "stats": dict(pipe.stats), "explain": pipe.explain()}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("use_checkpoint", [False, True], ids=["plain", "checkpointed"])
+def test_input_gradient_of_fused_qkv_is_one_fused_reduce_scatter(pool, world, use_checkpoint):
+    """Also under non-reentrant activation checkpointing, whose recomputation
+    in backward issues the forward gather again (fused again)."""
+    results = pool.run(_qkv_backward_worker, world, use_checkpoint)
+    for r in results:
+        assert all(r["ok"]), r
+        gathers = 2 if use_checkpoint else 1  # + the recomputed forward
+        assert r["stats"]["all_gather_matmul"] == gathers, r
+        assert r["stats"]["matmul_reduce_scatter"] == 1, r
+        assert "unfused_reduce_scatter" not in r["stats"] and "unfused_all_gather" not in r["stats"], r
+    if world == 2 and not use_checkpoint:
+        assert_expected_inline(results[0]["explain"], """\
+all_gather #0 f32[4, 8] -> f32[8, 8] on group '2' (2 ranks): fused with mm -> $1, mm -> $2, mm -> $3 [ring]
+reduce_scatter(sum) #0 f32[8, 8] -> f32[4, 8] on group '2' (2 ranks): fused with mm + mm + mm -> $11 [ring]""")
