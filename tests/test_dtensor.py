@@ -68,74 +68,20 @@ def _both(outer, inner):
 
 
 # -- a transformer block: attention + MLP, tensor + sequence parallel ---------------
-
-
-class _Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.head_dim = dim // heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.w1, self.w2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(torch.nn.functional.gelu(self.w1(x)))
-
-
-class _Block(nn.Module):
-    def __init__(self, dim: int = 16, heads: int = 4) -> None:
-        super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(dim), _Attention(dim, heads)
-        self.ln2, self.mlp = nn.LayerNorm(dim), _MLP(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-def _tp_plan():
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    to_replicated = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {
-        "ln1": SequenceParallel(),
-        "attn": to_replicated,
-        "attn.wq": ColwiseParallel(),
-        "attn.wk": ColwiseParallel(),
-        "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ln2": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.w1": ColwiseParallel(),
-        "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
-    }
+# The demo's model: eagertp.demo.TransformerBlock and tensor_parallel_plan.
 
 
 def _transformer_worker(rank, group, steps):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from eagertp.demo import TransformerBlock, tensor_parallel_plan
+
     mesh = DeviceMesh.from_group(group, "cpu")
 
     def train(pipe):
         torch.manual_seed(0)
-        model = parallelize_module(_Block(), mesh, _tp_plan())
+        model = parallelize_module(TransformerBlock(16, 4), mesh, tensor_parallel_plan())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, grads, stats = [], [], []
         for step in range(steps):

@@ -42,10 +42,11 @@ def _rs_worker(rank, group, in_shape, n, dtype_name, reduce_op, bias, integer=Tr
 @pytest.mark.parametrize("in_shape", [(4, 8), (8, 16), (2, 4, 8), (2, 2, 4, 8)], ids=["1row", "2d", "3d", "4d"])
 @pytest.mark.parametrize("reduce_op", ["sum", "avg"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_matmul_reduce_scatter_bitwise(pool, world, in_shape, reduce_op, bias):
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_matmul_reduce_scatter_bitwise(pool, world, in_shape, reduce_op, bias, dtype):
     if in_shape[0] % world:
         in_shape = (world * in_shape[0], *in_shape[1:])
-    for rank, r in enumerate(pool.run(_rs_worker, world, in_shape, 6, "f32", reduce_op, bias)):
+    for rank, r in enumerate(pool.run(_rs_worker, world, in_shape, 6, dtype, reduce_op, bias)):
         assert r["got"].shape == r["expected"].shape
         assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
         _assert_fused(r)
