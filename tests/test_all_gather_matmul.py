@@ -142,6 +142,32 @@ def test_linear_gather_dim0(pool, world, bias, shard_shape, dtype):
         _assert_fused(r, calls=1, matmuls=1)
 
 
+def _mixed_consumers_worker(rank, group):
+    """A linear with bias (addmm), one without (mm) and a plain matmul on one
+    gathered tensor: one fused call, three consumers."""
+    x = integer_tensor((2, 3, 8), torch.float32, seed=rank)
+    w1, w2 = integer_tensor((6, 8), torch.float32, seed=1), integer_tensor((4, 8), torch.float32, seed=2)
+    b1, w3 = integer_tensor((6,), torch.float32, seed=3), integer_tensor((8, 5), torch.float32, seed=4)
+
+    def consumers(g):
+        return [F.linear(g, w1, b1), F.linear(g, w2), torch.matmul(g, w3)]
+
+    expected = consumers(all_gather(x, group))
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = consumers(all_gather(x, group))
+    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], "explain": pipe.explain(), **fusion_report(pipe, counter)}
+
+
+def test_mm_and_addmm_consumers_share_one_fused_call(pool):
+    results = pool.run(_mixed_consumers_worker, 2)
+    for r in results:
+        assert all(r["ok"]), r
+        _assert_fused(r, calls=1, matmuls=3)
+    from expecttest import assert_expected_inline
+
+    assert_expected_inline(results[0]["explain"], """""")
+
+
 # -- gather dims > 0 (funcol's split + cat) ------------------------------------------
 
 

@@ -31,10 +31,10 @@ def _column_parallel(x, w, group, *, async_op, api):
     return out @ w
 
 
-def _row_parallel(h, w, group, *, async_op, op=dist.ReduceOp.SUM):
+def _row_parallel(h, w, group, *, async_op, op=dist.ReduceOp.SUM, api="reduce_scatter_tensor"):
     y = h @ w
     out = torch.empty(y.shape[0] // group.size(), *y.shape[1:])
-    work = dist.reduce_scatter_tensor(out, y, op=op, group=group, async_op=async_op)
+    work = getattr(dist, api)(out, y, op=op, group=group, async_op=async_op)
     if async_op:
         work.wait()
     return out
@@ -47,7 +47,8 @@ def _megatron_worker(rank, group, async_op, api):
 
     def mlp(api):
         h = _column_parallel(x, w1, group, async_op=async_op, api=api)
-        return _row_parallel(torch.relu(h), w2, group, async_op=async_op)
+        scatter = "reduce_scatter_single" if api == "all_gather_single" else "reduce_scatter_tensor"
+        return _row_parallel(torch.relu(h), w2, group, async_op=async_op, api=scatter)
 
     # NB: gloo rejects the stacked output form NCCL accepts; eagertp takes both.
     expected = mlp("all_gather_into_tensor" if api == "stacked" else api)
