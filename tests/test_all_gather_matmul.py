@@ -165,7 +165,7 @@ def test_mm_and_addmm_consumers_share_one_fused_call(pool):
         _assert_fused(r, calls=1, matmuls=3)
     from expecttest import assert_expected_inline
 
-    assert_expected_inline(results[0]["explain"], """""")
+    assert_expected_inline(results[0]["explain"], """all_gather #0 f32[2, 3, 8] -> f32[4, 3, 8] on group '2' (2 ranks): fused with addmm -> $1, mm -> $2, mm -> $3 [ring]""")
 
 
 # -- gather dims > 0 (funcol's split + cat) ------------------------------------------
