@@ -200,10 +200,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        if not run(args, DeviceMesh("cpu", list(range(world)))):
-            raise SystemExit(1)
+        match = run(args, DeviceMesh("cpu", list(range(world))))
+        # NB: tear down together: a rank that closes its connections while a
+        # peer's gloo threads still use them can abort that peer.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    if not match:
+        raise SystemExit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,10 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         try:
-            mesh = DeviceMesh(args.device, list(range(dist.get_world_size())))
-            return 0 if run(args, mesh) else 1
+            match = run(args, DeviceMesh(args.device, list(range(dist.get_world_size()))))
+            dist.barrier()  # tear down together (see _worker)
         finally:
             dist.destroy_process_group()
+        return 0 if match else 1
     if args.device == "cuda":
         raise SystemExit("--device cuda needs one process per GPU: launch with torchrun")
     import socket

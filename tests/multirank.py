@@ -81,6 +81,9 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection) -
             conn.send(("ok", job.fn(rank, groups[job.world_size], *job.args)))
         except BaseException:  # noqa: B036 - reported to the parent
             conn.send(("error", traceback.format_exc()))
+    # NB: tear down together: a rank that closes its connections while a peer's
+    # gloo threads still use them can abort that peer.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,0 +1,188 @@
+"""Overlap of one fused op: eagertp against unfused eager and the limit.
+
+For all-gather + matmul and matmul + reduce-scatter, sweeps shapes from
+communication-bound to compute-bound and times, in one run: the collective
+alone (t_comm), the matmul alone (t_mm), unfused eager (t_unfused: the
+collective, then the matmul) and eagertp (t_fused). The limit for a fused op is
+max(t_comm, t_mm); the overlap efficiency is
+E = (t_unfused - t_fused) / (t_unfused - max(t_comm, t_mm)).
+
+    python benchmarks/overlap.py                       # plain loopback
+    python benchmarks/overlap.py --link-rate 2gbit     # wire-limited loopback
+    python benchmarks/overlap.py --json out.json --plot out.png
+
+``all_gather_matmul_k`` gathers along the contraction dim (column blocks of A,
+partial products accumulated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import _harness
+
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_gather_matmul_k")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/overlap.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _harness.add_common_args(parser)
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS[:2]), help="fused forms to measure")
+    parser.add_argument("--m", type=int, default=1024, help="rows of the gathered / reduce-scattered matrix")
+    parser.add_argument("--k", type=int, default=1024, help="contraction dim")
+    parser.add_argument(
+        "--n", type=int, nargs="+", default=[64, 256, 1024, 4096], help="output columns to sweep (compute grows with n)"
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--backend", default="auto", help="eagertp backend")
+    parser.add_argument("--plot", metavar="PATH", default=None, help="plot fused/unfused vs comm/compute (needs matplotlib)")
+    return parser.parse_args(argv)
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from eagertp import EagerMicroPipeline
+    from eagertp._compat import all_gather_single, reduce_scatter_single
+
+    group = dist.group.WORLD
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(rank)
+    results = []
+    for op in args.ops:
+        for n in args.n:
+            m, k = args.m, args.k
+            if op == "all_gather_matmul":
+                shard = torch.randn(m // world, k, generator=g, dtype=dtype)
+                b = torch.randn(k, n, generator=g, dtype=dtype)
+                full = torch.empty(m, k, dtype=dtype)
+
+                def comm():
+                    all_gather_single(full, shard, group=group)
+
+                def mm():
+                    torch.mm(full, b)
+
+                def program():
+                    funcol.all_gather_tensor(shard, 0, group) @ b
+
+            elif op == "all_gather_matmul_k":
+                shard = torch.randn(m, k // world, generator=g, dtype=dtype)
+                b = torch.randn(k, n, generator=g, dtype=dtype)
+                full = torch.empty(m, k, dtype=dtype)
+                stacked = torch.empty(world * m, k // world, dtype=dtype)
+
+                def comm():
+                    all_gather_single(stacked, shard, group=group)
+
+                def mm():
+                    torch.mm(full, b)
+
+                def program():
+                    funcol.all_gather_tensor(shard, 1, group) @ b
+
+            else:
+                a = torch.randn(m, k, generator=g, dtype=dtype)
+                b = torch.randn(k, n, generator=g, dtype=dtype)
+                c = torch.randn(m, n, dtype=dtype)
+                out = torch.empty(m // world, n, dtype=dtype)
+
+                def comm():
+                    reduce_scatter_single(out, c, group=group)
+
+                def mm():
+                    torch.mm(a, b)
+
+                def program():
+                    funcol.reduce_scatter_tensor(a @ b, "sum", 0, group).wait()
+
+            pipe = EagerMicroPipeline(backend=args.backend)
+
+            def fused():
+                with pipe:
+                    program()
+
+            t = {
+                name: _harness.timeit(fn, group, repeats=args.repeats, warmup=args.warmup)
+                for name, fn in [("t_comm", comm), ("t_mm", mm), ("t_unfused", program), ("t_fused", fused)]
+            }
+            fused_ops = pipe.stats["all_gather_matmul"] + pipe.stats["matmul_reduce_scatter"]
+            assert fused_ops == 1, f"{op} did not run fused: {pipe.explain()}"
+            results.append(
+                {"op": op, "M": m, "K": k, "N": n, "world_size": world, "dtype": args.dtype, "backend": pipe.backend, **t}
+            )
+    return results
+
+
+def efficiency(r: dict) -> float:
+    saving = r["t_unfused"] - max(r["t_comm"], r["t_mm"])
+    return (r["t_unfused"] - r["t_fused"]) / saving if saving > 0 else float("nan")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with _harness.quiet_warnings():
+        results = _harness.run(args, _worker)
+    for r in results:
+        r["speedup"] = r["t_unfused"] / r["t_fused"]
+        r["efficiency"] = efficiency(r)
+        r["comm_over_mm"] = r["t_comm"] / r["t_mm"]
+    link = args.link_rate or "loopback"
+    print(f"overlap: {args.world_size} ranks, gloo on {link}, {args.dtype}, medians of {args.repeats} (ms)")
+    ms = [{**r, **{key: r[key] * 1e3 for key in ("t_comm", "t_mm", "t_unfused", "t_fused")}} for r in results]
+    print(
+        _harness.table(
+            ms,
+            [
+                ("op", "op", ""),
+                ("M", "M", "d"),
+                ("K", "K", "d"),
+                ("N", "N", "d"),
+                ("t_comm", "comm", ".2f"),
+                ("t_mm", "mm", ".2f"),
+                ("t_unfused", "unfused", ".2f"),
+                ("t_fused", "fused", ".2f"),
+                ("comm_over_mm", "comm/mm", ".2f"),
+                ("speedup", "unfused/fused", ".2f"),
+                ("efficiency", "E", ".2f"),
+            ],
+        )
+    )
+    _harness.write_json(args.json, {"link": link, "results": results})
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def _plot(results: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for op in sorted({r["op"] for r in results}):
+        rows = sorted((r for r in results if r["op"] == op), key=lambda r: r["comm_over_mm"])
+        x = [r["comm_over_mm"] for r in rows]
+        ax.plot(x, [r["t_fused"] / r["t_unfused"] for r in rows], "o-", label=f"{op}: fused / unfused")
+        ax.plot(x, [max(r["t_comm"], r["t_mm"]) / r["t_unfused"] for r in rows], "k--", alpha=0.4)
+    ax.set_xscale("log")
+    ax.set_xlabel("t_comm / t_mm")
+    ax.set_ylabel("time / unfused (dashed: limit)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
