@@ -1,17 +1,20 @@
 """``EagerMicroPipeline``: micro-pipelined tensor parallelism at run time.
 
 The mode defers every all-gather on a group it manages and hands the program a
-placeholder. Matmuls whose ``A`` is that placeholder are deferred too (their
-outputs are placeholders). When something needs the data (any other reader, a
-collective, ``flush()``, leaving the block) the pending work is issued, each
-gather fused with its matmuls, in the order the program issued it::
+placeholder, and defers every matmul until the next op shows what it feeds.
+Matmuls on a pending gather join it; a matmul (or a sum of matmuls) whose
+output is reduce-scattered becomes the reduce-scatter's producer. When
+something needs the data (any other reader, another collective, ``flush()``,
+leaving the block) the pending work is issued, fused, in program order::
 
     >>> with EagerMicroPipeline() as pipe:
-    ...     x = funcol.all_gather_tensor(x_shard, 0, tp_group)   # deferred
-    ...     q, k, v = x @ wq, x @ wk, x @ wv                     # deferred
-    ...     y = attention(q, k, v)                               # flush: ONE fused call
+    ...     x = funcol.all_gather_single(x_shard, 0, tp_group)    # deferred
+    ...     q, k, v = x @ wq, x @ wk, x @ wv                      # deferred
+    ...     y = attention(q, k, v)                                # ONE fused call
+    ...     out = funcol.reduce_scatter_single(y @ wo, "sum", 0, tp_group)  # fused
     >>> print(pipe.explain())
     all_gather #0 f32[4, 16] -> f32[8, 16] on group '1' (2 ranks): fused with mm -> $1, mm -> $2, mm -> $3 [ring]
+    reduce_scatter(sum) #0 f32[8, 16] -> f32[4, 16] on group '1' (2 ranks): fused with mm -> $5 [ring]
 
 The mode lives on the dispatch-mode stack of the thread that entered it
 (``TorchDispatchMode`` state is thread-local): ops from other threads are not
@@ -96,7 +99,8 @@ class VerificationError(RuntimeError):
 
 
 class EagerMicroPipeline:
-    """Fuse all-gather + matmul at run time, with no compile step.
+    """Fuse all-gather + matmul and matmul + reduce-scatter at run time, with no
+    compile step.
 
     Args:
         group: manage only collectives on this process group (e.g. the TP group,
@@ -106,13 +110,15 @@ class EagerMicroPipeline:
             collective then matmul).
         verify: after each issued collective, recompute it unfused and raise
             ``VerificationError`` naming the op, shapes and difference if the
-            results disagree. Costs one extra collective per gather.
+            results disagree. Costs one extra collective per collective.
         max_records: bound on the trace and ``explain()`` records kept.
 
     Attributes:
-        stats: counters. ``all_gather_matmul`` (fused calls issued),
-            ``fused_matmuls`` (matmuls inside them), ``unfused_all_gather``,
-            ``unfused_reduce_scatter``, ``matmul_reduce_scatter`` (fused; not yet).
+        stats: counters. ``all_gather_matmul`` and ``matmul_reduce_scatter``
+            (fused calls issued), ``fused_matmuls`` (matmuls inside the fused
+            all-gathers), ``unfused_all_gather`` and ``unfused_reduce_scatter``
+            (issued alone, each with a reason in ``explain()``),
+            ``skipped_unobserved_matmuls`` (deferred matmuls nothing could read).
     """
 
     def __init__(

@@ -1,7 +1,8 @@
 """Backends: one contract, several implementations.
 
-A backend moves the data of one deferred collective and calls the pattern's
-consumer on each rank's chunk as it becomes available::
+A backend moves the data of one collective and calls the pattern's per-chunk
+callable as the chunks become available. Gathering, with a *consumer* of each
+rank's chunk::
 
     all_gather_consume(shard, consumer, ag_out, group)
 
@@ -9,25 +10,28 @@ consumer on each rank's chunk as it becomes available::
         for src, chunk in enumerate(ag_out.chunk(group.size())):
             consumer(chunk, src)                       # in whatever order chunks land
 
-``consumer`` may be ``None`` (materialise the gather alone). Invariant 2 of the
-design: the messages a backend exchanges depend only on ``shard``, ``ag_out``
-and ``group``, never on ``consumer``, so a rank that materialises a gather
-alone interoperates with a peer that fuses it.
+and reduce-scattering, with a *producer* of this rank's contribution to each
+rank's chunk, called when the backend needs it::
 
-The reduce-scatter direction (``produce_reduce_scatter(producer, out, group,
-reduce_op)``, where the producer computes the chunk bound for each rank) joins
-this contract with matmul + reduce-scatter fusion.
+    produce_reduce_scatter(producer, out, group, reduce_op)
+
+        for dst in range(group.size()):              # in whatever order the backend needs
+            producer(dst, buf[dst])
+        out = reduce(buf[rank] over all ranks)       # sum, avg, max, min, product
+
+``consumer`` may be ``None`` (the gather alone). Invariant 2 of the design: the
+messages a backend exchanges depend only on the buffers' shapes, ``reduce_op``
+and the group, never on the consumer or producer, so a rank that issues a
+collective alone interoperates with a peer that fuses it.
 """
 
 from __future__ import annotations
 
-from eagertp.backends.base import ChunkConsumer
+from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.backends.ring import RingBackend
 
-__all__ = ["BACKENDS", "Backend", "ChunkConsumer", "resolve_backend"]
-
-Backend = RingBackend | ReferenceBackend
+__all__ = ["BACKENDS", "Backend", "ChunkConsumer", "ChunkProducer", "resolve_backend"]
 
 BACKENDS: dict[str, type[Backend]] = {
     "ring": RingBackend,

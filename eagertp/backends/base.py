@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,27 @@ ChunkConsumer = Callable[[torch.Tensor, int], None]
 # producer(dst_rank, buf): writes into buf this rank's contribution to the chunk
 # that rank dst_rank keeps after the reduce-scatter.
 ChunkProducer = Callable[[int, torch.Tensor], None]
+
+
+class Backend(Protocol):
+    """The contract every backend implements (see eagertp.backends)."""
+
+    name: str
+
+    def all_gather_consume(
+        self, shard: torch.Tensor, consumer: ChunkConsumer | None, ag_out: torch.Tensor, group: dist.ProcessGroup
+    ) -> None: ...
+
+    def produce_reduce_scatter(
+        self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+    ) -> None: ...
+
+
+def consume_in_order(consumer: ChunkConsumer | None, chunks: torch.Tensor) -> None:
+    """Run ``consumer`` on every rank's chunk, rank order (all chunks present)."""
+    if consumer is not None:
+        for src, chunk in enumerate(chunks):
+            consumer(chunk, src)
 
 
 def check_gather_buffers(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:

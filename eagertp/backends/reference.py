@@ -11,6 +11,7 @@ from eagertp.backends.base import (
     ChunkConsumer,
     ChunkProducer,
     check_gather_buffers,
+    consume_in_order,
     check_scatter_buffers,
 )
 
@@ -33,10 +34,7 @@ class ReferenceBackend:
     ) -> None:
         check_gather_buffers(shard, ag_out, group)
         all_gather_single(ag_out, shard, group=group)
-        if consumer is None:
-            return
-        for src, chunk in enumerate(ag_out.view(group.size(), *shard.shape)):
-            consumer(chunk, src)
+        consume_in_order(consumer, ag_out.view(group.size(), *shard.shape))
 
     def produce_reduce_scatter(
         self,

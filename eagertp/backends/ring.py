@@ -42,7 +42,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from eagertp.backends.base import ChunkConsumer, ChunkProducer, check_gather_buffers, check_scatter_buffers
+from eagertp.backends.base import (
+    ChunkConsumer,
+    ChunkProducer,
+    check_gather_buffers,
+    check_scatter_buffers,
+    consume_in_order,
+)
 
 
 class RingBackend:
@@ -64,7 +70,7 @@ class RingBackend:
         if world == 1 or shard.numel() == 0:
             # NB: shapes are equal on every rank, so every rank skips the ring
             # together and no message is left unmatched.
-            _consume_all(consumer, chunks)
+            consume_in_order(consumer, chunks)
             return
 
         send_to, recv_from = (rank + 1) % world, (rank - 1) % world
@@ -138,12 +144,6 @@ def _mul(acc: torch.Tensor, other: torch.Tensor) -> None:
 
 # reduce_op -> in-place combine of a received partial into the local one.
 _COMBINE = {"sum": _add, "avg": _add, "max": _max, "min": _min, "product": _mul}
-
-
-def _consume_all(consumer: ChunkConsumer | None, chunks: torch.Tensor) -> None:
-    if consumer is not None:
-        for src, chunk in enumerate(chunks):
-            consumer(chunk, src)
 
 
 def _isend(t: torch.Tensor, group: dist.ProcessGroup, group_dst: int) -> dist.Work:
