@@ -110,7 +110,11 @@ class EagerMicroPipeline:
             collective then matmul).
         verify: after each issued collective, recompute it unfused and raise
             ``VerificationError`` naming the op, shapes and difference if the
-            results disagree. Costs one extra collective per collective.
+            results disagree, and first check that every rank issues the same
+            collective (shapes, dtype), naming each rank's if not. Costs extra
+            collectives; for debugging.
+        poison: fill every placeholder with NaN when it is made (debugging: an
+            unfilled placeholder that escaped would show up as NaN).
         max_records: bound on the trace and ``explain()`` records kept.
 
     Attributes:
@@ -127,6 +131,7 @@ class EagerMicroPipeline:
         group: dist.ProcessGroup | None = None,
         backend: str = "auto",
         verify: bool = False,
+        poison: bool = False,
         max_records: int = 10_000,
     ) -> None:
         if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -137,6 +142,7 @@ class EagerMicroPipeline:
             )
         self.group = group
         self.verify = verify
+        self.poison = poison
         self.stats: collections.Counter[str] = collections.Counter()
         self._backend = resolve_backend(backend)
         self._max_records = max_records
@@ -254,6 +260,8 @@ class EagerMicroPipeline:
             # NB: placeholders are filled below autograd: tensors autograd saved for
             # backward are these same storages, and their version counters must not move.
             with torch.profiler.record_function(f"eagertp::{plan.name}"), torch._C._AutoDispatchBelowADInplaceOrView():
+                if self.verify:
+                    _check_ranks_agree(plan.signature(), plan.group)
                 plan.run(backend)
                 if self.verify:
                     for what, got, want, exact in plan.checks():
@@ -272,6 +280,15 @@ class EagerMicroPipeline:
 
     # -- deferral ----------------------------------------------------------
 
+    def _placeholder(self, like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """A buffer that the pending work fills before anything can read it; with
+        ``poison=True`` it starts as NaN (integers: the dtype's max) so a bug that
+        let an unfilled one escape shows up in the results."""
+        out = like.new_empty(shape)
+        if self.poison:
+            out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
+        return out
+
     def _defer_gather(
         self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -279,7 +296,7 @@ class EagerMicroPipeline:
         caller's output buffer, else a new placeholder is made."""
         shard = shard.contiguous()
         if out is None:
-            out = shard.new_empty((shard.shape[0] * group.size(), *shard.shape[1:]))
+            out = self._placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
         record = self._trace.new_collective(
             "all_gather", src=tensor_str(shard), dst=tensor_str(out), group=group_str(group)
         )
@@ -316,7 +333,7 @@ class EagerMicroPipeline:
             func,
             None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,
             None if operand is Operand.B_ROWS else b,
-            a.new_empty((a.shape[0], b.shape[1])),
+            self._placeholder(a, (a.shape[0], b.shape[1])),
             self._store.next_tid(),
             bias,
             beta=kwargs.get("beta", 1),
@@ -378,7 +395,7 @@ class EagerMicroPipeline:
                 return None
             shape = list(owner.shard.shape)
             shape[dim] *= world
-            view = GatheredView(owner.shard.new_empty(shape), dim, world, self._store.next_tid())
+            view = GatheredView(self._placeholder(owner.shard, shape), dim, world, self._store.next_tid())
             self._store.add_gathered_view(owner, view)
             self._trace.event(f"${view.tid}: {tensor_str(view.tensor)} = cat(${owner.tid}.chunk({world}), {dim})")
             return view.tensor
@@ -392,7 +409,7 @@ class EagerMicroPipeline:
                 continue
             if _same_views(tensors, mm.out.view(shape).chunk(world, split_dim)):
                 cat_shape = (world * tensors[0].shape[0], *tensors[0].shape[1:])
-                sv = ScatterView(mm.out.new_empty(cat_shape), torch.Size(shape), split_dim, world)
+                sv = ScatterView(self._placeholder(mm.out, cat_shape), torch.Size(shape), split_dim, world)
                 self._store.add_scatter_view(mm, sv)
                 self._trace.event(f"${mm.tid}': {tensor_str(sv.tensor)} = cat(${mm.tid}.chunk({world}, {split_dim}), 0)")
                 return sv.tensor
@@ -422,7 +439,7 @@ class EagerMicroPipeline:
             self._trace.mark_unfused(record, f"reduce_op {reduce_op!r} has no point-to-point implementation")
             return result
         if out is None:
-            out = inp.new_empty((inp.shape[0] // world, *inp.shape[1:]))
+            out = self._placeholder(inp, (inp.shape[0] // world, *inp.shape[1:]))
         record = self._new_reduce_scatter_record(reduce_op, inp, out, group)
         found = self._store.standalone_output(inp) if self._store else None
         why_not = self._why_not_produce(found, out) if found is not None else (
@@ -462,7 +479,7 @@ class EagerMicroPipeline:
         if px is py or x.shape != y.shape or x.dtype != y.dtype or px.out.shape != py.out.shape:
             return None
         terms = [t for p in (px, py) for t in (p.terms if isinstance(p, PendingSum) else [p])]
-        total = PendingSum(terms, px.out.new_empty(px.out.shape), self._store.next_tid())
+        total = PendingSum(terms, self._placeholder(px.out, px.out.shape), self._store.next_tid())
         self._store.add_sum(total)
         self._trace.event(total.render())
         return total.out.view(x.shape)
@@ -531,6 +548,21 @@ def _resolve_group(group_name: Any) -> dist.ProcessGroup:
     if isinstance(group_name, dist.ProcessGroup):
         return group_name
     return c10d._resolve_process_group(group_name)
+
+
+def _check_ranks_agree(signature: str, group: dist.ProcessGroup) -> None:
+    """verify=True: every rank issues the same collective, or all raise the same
+    clear error (instead of mismatched messages, which gloo answers by aborting
+    the process and NCCL by hanging or corrupting)."""
+    signatures: list[str | None] = [None] * group.size()
+    dist.all_gather_object(signatures, signature, group=group)
+    if any(s != signature for s in signatures):
+        per_rank = "; ".join(f"rank {r}: {s}" for r, s in enumerate(signatures))
+        raise VerificationError(
+            f"eagertp verify: ranks of {group_str(group)} issue different collectives at the "
+            f"same point ({per_rank}). Every rank must issue the same collectives with the "
+            f"same shapes in the same order."
+        )
 
 
 def _check_equal(
@@ -687,8 +719,22 @@ def _add(p: EagerMicroPipeline, func, args, kwargs):
 def _passthrough(p: EagerMicroPipeline, func, args, kwargs):
     """What an op without a handler gets (see EagerMicroPipeline._dispatch)."""
     if p._store:
+        if _is_composite(func) and p._store.touched(tensor_leaves((args, kwargs))) is not None:
+            # NB: composite ops (matmul, linear) reach the mode whole when autograd
+            # is off (inference_mode); their decomposition (view -> mm ->
+            # _unsafe_view) is what the handlers understand. Re-enter the mode so
+            # the decomposed ops come back here.
+            assert p._mode is not None, "dispatch outside the block"
+            with p._mode:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
         p._flush_if_needed(func, args, kwargs)
     return func(*args, **kwargs)
+
+
+def _is_composite(func: torch._ops.OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
 @_register([aten.cat.default])

@@ -64,6 +64,10 @@ class AllGatherMatmulPlan:
         g = self.gather
         backend.all_gather_consume(g.shard, self.consumer(), g.out, g.group)
 
+    def signature(self) -> str:
+        """What every rank must agree on for the messages to match."""
+        return f"all_gather of {tensor_str(self.gather.shard)}"
+
     def checks(self) -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
         """(what, got, plain eager, exact?) for every tensor this plan wrote."""
         g = self.gather
@@ -145,6 +149,10 @@ class ReduceScatterPlan:
 
     def run(self, backend: Backend) -> None:
         backend.produce_reduce_scatter(self.producer(), self.out, self.group, self.reduce_op)
+
+    def signature(self) -> str:
+        """What every rank must agree on for the messages to match."""
+        return f"reduce_scatter({self.reduce_op}) to {tensor_str(self.out)}"
 
     def checks(self) -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
         what = f"reduce_scatter({self.reduce_op}) -> {tensor_str(self.out)} on {group_str(self.group)}"

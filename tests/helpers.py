@@ -50,9 +50,12 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
+        self.collectives: list[str] = []  # communication ops, in issue order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func)] += 1
+        if func.namespace in ("c10d", "_c10d_functional") and not str(func).split(".")[1].startswith(("wait", "_wrap")):
+            self.collectives.append(str(func).split(".")[1])
         return func(*args, **(kwargs or {}))
 
     @property

@@ -37,6 +37,10 @@ class RankError(AssertionError):
     """A worker raised; the message holds every failing rank's traceback."""
 
 
+class WorkerDied(RuntimeError):
+    """A worker process exited mid-test (gloo aborts a process on some errors)."""
+
+
 @dataclasses.dataclass
 class _Job:
     fn: Callable[..., Any]
@@ -125,25 +129,31 @@ class WorkerPool:
     def restart(self) -> None:
         for proc in self._procs:
             proc.kill()
-        self.close()
+        for proc in self._procs:
+            proc.join()
+        self._procs, self._conns = [], []
         self._start()
 
     def run(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = TEST_TIMEOUT) -> list[Any]:
         """``fn(rank, group, *args)`` on ``world_size`` ranks; their results in rank order."""
         assert 1 <= world_size <= WORLD, f"world_size {world_size} not in 1..{WORLD}"
         job = _Job(fn, world_size, args)
-        for conn in self._conns:
-            conn.send(job)
         deadline = time.monotonic() + timeout
         replies: list[tuple[str, Any] | None] = [None] * WORLD
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                self.restart()
-                raise TimeoutError(
-                    f"{fn.__name__} on {world_size} ranks: rank {rank} did not finish "
-                    f"within {timeout} s (hang); worker pool restarted"
-                )
-            replies[rank] = conn.recv()
+        try:
+            for conn in self._conns:
+                conn.send(job)
+            for rank, conn in enumerate(self._conns):
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    self.restart()
+                    raise TimeoutError(
+                        f"{fn.__name__} on {world_size} ranks: rank {rank} did not finish "
+                        f"within {timeout} s (hang); worker pool restarted"
+                    )
+                replies[rank] = conn.recv()
+        except (EOFError, OSError) as e:  # a worker process died (e.g. gloo aborted it)
+            self.restart()
+            raise WorkerDied(f"{fn.__name__} on {world_size} ranks: a worker process died ({e!r}); pool restarted") from e
         errors = [f"--- rank {r} ---\n{rep[1]}" for r, rep in enumerate(replies) if rep[0] == "error"]
         if errors:
             self.restart()

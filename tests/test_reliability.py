@@ -1,0 +1,237 @@
+"""Reliability: no hangs, nothing lost, clear errors, context rules.
+
+Every test here talks between gloo ranks under the pool's time bounds: a hang
+fails the test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+from helpers import all_gather, integer_tensor
+from multirank import RankError, WorkerDied
+
+from eagertp import EagerMicroPipeline, VerificationError
+
+
+# -- mismatched collectives ----------------------------------------------------------
+
+
+def _mismatch_worker(rank, group, verify):
+    x = torch.ones(2 + rank, 4)  # rank r gathers 2 + r rows: a program bug
+    try:
+        with EagerMicroPipeline(verify=verify):
+            y = all_gather(x, group) @ torch.ones(4, 3)
+            y.sum()
+    except VerificationError as e:
+        return str(e)
+    return "no error"
+
+
+def test_verify_names_mismatched_shapes_on_every_rank(pool):
+    messages = pool.run(_mismatch_worker, 2, True)
+    assert messages[0] == messages[1]
+    assert_expected_inline(
+        messages[0],
+        """eagertp verify: ranks of group '2' (2 ranks) issue different collectives at the same point (rank 0: all_gather of f32[2, 4]; rank 1: all_gather of f32[3, 4]). Every rank must issue the same collectives with the same shapes in the same order.""",
+    )
+
+
+def test_mismatched_shapes_without_verify_fail_like_plain_eager(pool):
+    """Plain eager on gloo aborts the process ("Received data size doesn't match
+    expected size"); eagertp's ring does the same. Never a silent result."""
+    with pytest.raises((WorkerDied, RankError)):
+        pool.run(_mismatch_worker, 2, False, timeout=40)
+
+
+# -- schedule invariance ---------------------------------------------------------------
+
+
+def _flush_on_one_rank_worker(rank, group):
+    x = integer_tensor((4, 8), torch.float32, seed=rank)
+    w1 = integer_tensor((8, 6), torch.float32, seed=1)
+    w2 = integer_tensor((6, 8), torch.float32, seed=2 + rank)
+    from helpers import reduce_scatter
+
+    def program(pipe=None):
+        h = all_gather(x, group) @ w1
+        if pipe is not None and rank == 0:
+            pipe.flush()  # only rank 0 flushes here
+        y = torch.relu(h) @ w2
+        if pipe is not None and rank == 1:
+            pipe.flush()  # only rank 1 flushes here
+        return reduce_scatter(y, group)
+
+    expected = program()
+    with EagerMicroPipeline() as pipe:
+        got = program(pipe)
+    return {"ok": torch.equal(got, expected), "stats": dict(pipe.stats)}
+
+
+def test_ranks_flushing_at_different_points_interoperate(pool):
+    r0, r1 = pool.run(_flush_on_one_rank_worker, 2, timeout=30)
+    assert r0["ok"] and r1["ok"]
+    assert r0["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1, "matmul_reduce_scatter": 1}
+    # rank 1's flush issued the second matmul alone before its reduce-scatter
+    assert r1["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1, "unfused_reduce_scatter": 1}
+
+
+# -- only what it owns -----------------------------------------------------------------
+
+
+def _mesh_worker(rank, group):
+    import torch.distributed as dist
+    from helpers import OpCounter, reduce_scatter
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
+    x = integer_tensor((2, 8), torch.float32, seed=rank)
+    w1 = integer_tensor((8, 6), torch.float32, seed=1)
+    w2 = integer_tensor((6, 8), torch.float32, seed=2 + rank)
+    param_shard = integer_tensor((3, 6), torch.float32, seed=3 + rank)
+
+    def program():
+        h = all_gather(x, tp) @ w1  # TP: fused
+        full_param = all_gather(param_shard, dp)  # FSDP-style gather on dp: untouched
+        grad = h.sum(0, keepdim=True)
+        dist.all_reduce(grad, group=dp)  # dp all-reduce: untouched, in order
+        y = reduce_scatter((h @ full_param.t()[:6, :6]) @ w2[:6], tp)  # TP: fused
+        return y, grad
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline(group=tp) as pipe:
+        got = program()
+    return {
+        "ok": all(torch.equal(g, e) for g, e in zip(got, expected)),
+        "stats": dict(pipe.stats),
+        "collectives": counter.collectives,
+        "explain": pipe.explain(),
+    }
+
+
+def test_two_by_two_mesh_fuses_tp_and_passes_dp_through_in_order(pool):
+    for r in pool.run(_mesh_worker, 4):
+        assert r["ok"]
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1, "matmul_reduce_scatter": 1}, r
+        # The TP gather's ring, then the dp gather and all-reduce exactly as written,
+        # then the TP reduce-scatter's ring: program order.
+        assert r["collectives"] == [
+            "send", "recv_", "all_gather_into_tensor", "allreduce_", "send", "recv_"
+        ], r["collectives"]
+
+
+# -- context rules -----------------------------------------------------------------
+
+
+def _context_worker(rank, group, context):
+    import threading
+
+    x = integer_tensor((2, 4), torch.float32, seed=rank)
+    w = integer_tensor((4, 3), torch.float32, seed=5)
+    expected = all_gather(x, group) @ w
+    seen = {}
+    if context == "nested":
+        with EagerMicroPipeline() as outer:
+            with EagerMicroPipeline() as inner:
+                got = all_gather(x, group) @ w  # the inner block sees it first
+            later = all_gather(x, group) @ w
+        return {"ok": torch.equal(got, expected) and torch.equal(later, expected),
+                "stats": [dict(inner.stats), dict(outer.stats)]}
+    if context == "thread":
+        def elsewhere():
+            seen["other_thread"] = torch.equal(x @ torch.ones(4, 2), x.sum(1, keepdim=True).expand(2, 2))
+
+        with EagerMicroPipeline() as pipe:
+            g = all_gather(x, group)
+            worker = threading.Thread(target=elsewhere)
+            worker.start()
+            worker.join()  # its matmul ran outside the mode: not deferred, not counted
+            got = g @ w
+        return {"ok": torch.equal(got, expected) and seen["other_thread"], "stats": [dict(pipe.stats)]}
+    if context == "compile":
+        @torch.compile(backend="eager")
+        def head(a):
+            return torch.relu(a @ w) + 1
+
+        with EagerMicroPipeline() as pipe:
+            got = head(all_gather(x, group))
+        return {"ok": torch.equal(got, torch.relu(expected) + 1), "stats": [dict(pipe.stats)]}
+    grad_mode = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[context]
+    with grad_mode(), EagerMicroPipeline() as pipe:
+        got = torch.matmul(all_gather(x, group), w)
+    return {"ok": torch.equal(got, expected), "stats": [dict(pipe.stats)]}
+
+
+FUSED_ONCE = {"all_gather_matmul": 1, "fused_matmuls": 1}
+
+
+@pytest.mark.parametrize("context", ["nested", "thread", "no_grad", "inference_mode", "compile"])
+def test_context_rules(pool, context):
+    """nested: each block fuses what it sees first; thread: the mode is
+    thread-local, another thread's ops pass untouched; no_grad/inference_mode:
+    fused (inference_mode's whole aten.matmul is decomposed); compile: a
+    torch.compile'd function inside the block runs and its matmul fuses."""
+    for r in pool.run(_context_worker, 2, context, timeout=120):
+        assert r["ok"], r
+        assert all(stats == FUSED_ONCE for stats in r["stats"]), r
+
+
+# -- nothing lost, nothing accumulates ---------------------------------------------------
+
+
+def _long_run_worker(rank, group, steps):
+    import gc
+    import weakref
+
+    import torch.nn.functional as F
+    from helpers import reduce_scatter
+
+    x0 = integer_tensor((2, 3, 8), torch.float32, seed=rank)
+    w1 = integer_tensor((8, 8), torch.float32, seed=1).requires_grad_()
+    w2 = integer_tensor((8, 8), torch.float32, seed=2 + rank).requires_grad_()
+
+    def step(pipe):
+        x = x0.clone().requires_grad_()
+        with pipe:
+            h = F.linear(all_gather(x, group, 1), w1)
+            y = reduce_scatter(F.linear(torch.relu(h), w2), group, "sum", 1)
+            (y * y).sum().backward()
+        w1.grad = w2.grad = None
+        return y
+
+    def live_objects() -> tuple[int, int]:
+        gc.collect()
+        objects = gc.get_objects()
+        return len(objects), sum(isinstance(o, torch.Tensor) for o in objects)
+
+    # poison=True: every placeholder starts as NaN; none may reach a result.
+    pipe = EagerMicroPipeline(poison=True, max_records=64)
+    nan_seen = False
+    for _ in range(50):  # warm-up: caches, the bounded trace filling up
+        nan_seen |= bool(step(pipe).isnan().any())
+    before = live_objects()
+    for _ in range(steps):
+        nan_seen |= bool(step(pipe).isnan().any())
+    after = live_objects()
+    stats = dict(pipe.stats)
+
+    # No reference cycle through the mode: dropping the last reference frees it
+    # at once, without the cycle collector.
+    gc.disable()
+    try:
+        ref = weakref.ref(pipe)
+        del pipe
+        freed = ref() is None
+    finally:
+        gc.enable()
+    return {"before": before, "after": after, "nan_seen": nan_seen, "stats": stats, "freed": freed}
+
+
+def test_thousands_of_steps_leave_no_growth_and_no_unfilled_placeholder(pool):
+    for r in pool.run(_long_run_worker, 2, 2000, timeout=120):
+        assert not r["nan_seen"], "a poisoned placeholder escaped"
+        assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
+        assert r["after"] == r["before"], f"live (objects, tensors) grew: {r['before']} -> {r['after']}"
+        assert r["freed"], "the pipeline is kept alive by a reference cycle"
