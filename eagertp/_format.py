@@ -24,7 +24,7 @@ def dtype_str(dtype: torch.dtype) -> str:
 
 def tensor_str(t: torch.Tensor) -> str:
     """``f32[8, 32]``: dtype and shape, never an address."""
-    return f"{dtype_str(t.dtype)}[{', '.join(str(s) for s in t.shape)}]"
+    return f"{dtype_str(t.dtype)}{list(t.shape)}"  # NB: on the hot path; list's repr is the format
 
 
 def group_str(group: dist.ProcessGroup) -> str:

@@ -49,10 +49,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
 from eagertp._format import tensor_str
-from eagertp.trace import CollectiveRecord
+from eagertp.trace import CollectiveRecord, Meta
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -138,7 +137,7 @@ class ScatterView:
         torch.cat(mm_out.view(self.shape).chunk(self.world, self.dim), 0, out=self.tensor)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class PendingMatmul:
     """``out = addmm(bias, a, b, beta=beta, alpha=alpha)``, or ``mm(a, b)`` when
     ``bias`` is None, not yet computed.
@@ -159,6 +158,8 @@ class PendingMatmul:
     operand: Operand | None = None
     view: GatheredView | None = None
     scatter_views: list[ScatterView] = dataclasses.field(default_factory=list)
+    # A term of a pending sum: once the sum is produced, nothing may read it.
+    absorbed: bool = False
 
     @property
     def name(self) -> str:
@@ -168,15 +169,14 @@ class PendingMatmul:
         via = "" if self.operand in (None, Operand.ROWS) else f" (gathered {self.operand.value})"
         return f"{self.name}{via} -> ${self.tid}"
 
-    def render(self) -> str:
-        """``$3: f32[8, 6] = addmm(f32[6], $0, f32[16, 6])`` for the trace."""
-        g = "" if self.view is None else f"${self.view.tid}"
-        a = g if self.a is None else tensor_str(self.a)
-        b = g if self.b is None else tensor_str(self.b)
-        if self.operand is Operand.ROWS_T:
-            a = f"{g}.t()"
-        operands = f"{a}, {b}" if self.bias is None else f"{tensor_str(self.bias)}, {a}, {b}"
-        return f"${self.tid}: {tensor_str(self.out)} = {self.name}({operands})"
+    def trace_event(self) -> tuple:
+        """``(render, *args)`` for ``Trace.event``: no tensors kept, formatted later."""
+        g = None if self.view is None else self.view.tid
+        a = g if self.a is None else Meta(self.a.dtype, self.a.shape)
+        b = g if self.b is None else Meta(self.b.dtype, self.b.shape)
+        bias = None if self.bias is None else Meta(self.bias.dtype, self.bias.shape)
+        out = Meta(self.out.dtype, self.out.shape)
+        return _render_matmul, self.tid, out, self.op, a, b, bias, self.operand is Operand.ROWS_T
 
     def compute(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         """Plain eager on whole operands, into ``out``."""
@@ -199,7 +199,9 @@ class PendingMatmul:
         self.compute(self.a, self.b, out)
 
     def issue_standalone(self) -> None:
-        _issue_product(self)
+        self.compute_all(self.out)
+        for sv in self.scatter_views:
+            sv.fill(self.out)
 
     def unobserved(self) -> bool:
         return _unobserved(self)
@@ -219,6 +221,7 @@ class PendingSum:
     out: torch.Tensor  # placeholder [M, N]
     tid: int
     scatter_views: list[ScatterView] = dataclasses.field(default_factory=list)
+    absorbed: bool = False  # a partial sum that a longer sum took over
 
     def describe(self) -> str:
         return " + ".join(f"{t.name}" for t in self.terms) + f" -> ${self.tid}"
@@ -238,7 +241,9 @@ class PendingSum:
         self.compute_rows(_all_rows, out)
 
     def issue_standalone(self) -> None:
-        _issue_product(self)
+        self.compute_all(self.out)
+        for sv in self.scatter_views:
+            sv.fill(self.out)
 
     def unobserved(self) -> bool:
         return _unobserved(self)
@@ -253,14 +258,22 @@ Product = PendingMatmul | PendingSum
 RowSelect = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _render_matmul(
+    tid: int, out: Meta, op: torch._ops.OpOverload, a: int | Meta, b: int | Meta, bias: Meta | None, a_t: bool
+) -> str:
+    """``$3: f32[8, 6] = addmm(f32[6], $0, f32[16, 6])``: ints are gathered views."""
+
+    def operand(x: int | Meta) -> str:
+        return f"${x}" if isinstance(x, int) else tensor_str(x)
+
+    operands = [operand(a) + (".t()" if a_t else ""), operand(b)]
+    if bias is not None:
+        operands.insert(0, tensor_str(bias))
+    return f"${tid}: {tensor_str(out)} = {op.__name__.split('.')[0]}({', '.join(operands)})"
+
+
 def _all_rows(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _issue_product(product: Product) -> None:
-    product.compute_all(product.out)
-    for sv in product.scatter_views:
-        sv.fill(product.out)
 
 
 def _python_refs(t: torch.Tensor) -> int:
@@ -394,10 +407,9 @@ class PendingStore:
         """The trace id of the placeholder ``t`` views."""
         key = storage_key(t)
         item = self._owner[key]
-        if isinstance(item, PendingGather):
-            named = [(v.tensor, v.tid) for v in item.views] + [(mm.out, mm.tid) for mm in item.consumers]
-        else:
-            named = [(item.out, item.tid)] + [(sv.tensor, item.tid) for sv in item.scatter_views]
+        if not isinstance(item, PendingGather):
+            return item.tid  # its output and its scatter views share its id
+        named = [(v.tensor, v.tid) for v in item.views] + [(mm.out, mm.tid) for mm in item.consumers]
         return next(tid for tensor, tid in named if storage_key(tensor) == key)
 
     def touched(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
@@ -419,5 +431,13 @@ class PendingStore:
         self._ids = itertools.count()
 
 
-def tensor_leaves(args: object) -> list[torch.Tensor]:
-    return [a for a in tree_leaves(args) if isinstance(a, torch.Tensor)]
+def tensor_leaves(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """The tensors among an op's arguments, in order. NB: on the hot path; ATen
+    arguments nest one level at most (``cat``'s list, ``_foreach_*``'s lists)."""
+    found: list[torch.Tensor] = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    return found

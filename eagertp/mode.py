@@ -25,6 +25,7 @@ separate instances, and the inner one sees ops first.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -52,7 +53,7 @@ from eagertp.deferred import (
     tensor_leaves,
 )
 from eagertp.patterns import AllGatherMatmulPlan, Plan, ReduceScatterPlan
-from eagertp.trace import CollectiveRecord, Trace
+from eagertp.trace import CollectiveRecord, Reason, Trace
 
 __all__ = ["EagerMicroPipeline", "VerificationError"]
 
@@ -201,10 +202,6 @@ class EagerMicroPipeline:
 
     # -- dispatch ----------------------------------------------------------
 
-    def _dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-        handler = _HANDLERS.get(func, _passthrough)
-        return handler(self, func, args, kwargs)
-
     def _manages(self, group: dist.ProcessGroup) -> bool:
         return self.group is None or group.group_name == self.group.group_name
 
@@ -212,41 +209,42 @@ class EagerMicroPipeline:
         """Flush before ``func`` if it communicates, reads pending data, or writes
         a tensor that pending work will read."""
         if func.namespace in _COLLECTIVE_NAMESPACES:
-            self._flush(f"{func} issued")
+            self._flush(Reason("{} issued", func))
             return
-        tensors = tensor_leaves((args, kwargs))
+        tensors = tensor_leaves(args, kwargs)
         touched = self._store.touched(tensors)
         if touched is not None:
             if _is_metadata_only(func):
                 return
-            self._flush(f"{func} read ${self._store.tid_of(touched)}")
+            self._flush(Reason("{} read ${}", func, self._store.tid_of(touched)))
         elif func._schema.is_mutable and any(self._store.is_input(t) for t in tensors):
-            self._flush(f"{func} wrote an input of pending work")
+            self._flush(Reason("{} wrote an input of pending work", func))
 
-    def _flush(self, reason: str) -> None:
+    def _flush(self, reason: str | Reason) -> None:
         items = self._store.drain()
         if not items:
             return
-        self._trace.event(f"flush: {reason}")
+        self._trace.event("flush: {}", reason)
         self._issuing = True
         try:
             # Issue every item even if one fails, so that peers waiting on the
             # later collectives are not left hanging; then raise the first failure.
             failure: BaseException | None = None
-            for item in items:
-                try:
-                    if isinstance(item, PendingGather):
-                        plan = AllGatherMatmulPlan(item)
-                        self._issue(plan, f"no matmul consumed it before {reason}")
-                    elif item.unobserved():
-                        # Nothing can read it (e.g. a term a fused sum already produced).
-                        self.stats["skipped_unobserved_matmuls"] += 1
-                        self._trace.event(f"skip ${item.tid}: nothing can read it")
-                    else:
-                        with torch._C._AutoDispatchBelowADInplaceOrView():
+            # NB: placeholders are filled below autograd (see _issue).
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                for item in items:
+                    try:
+                        if isinstance(item, PendingGather):
+                            plan = AllGatherMatmulPlan(item)
+                            self._issue(plan, f"no matmul consumed it before {reason}")
+                        elif item.absorbed and item.unobserved():
+                            # A term of a sum that was produced fused: nothing can read it.
+                            self.stats["skipped_unobserved_matmuls"] += 1
+                            self._trace.event("skip ${}: nothing can read it", item.tid)
+                        else:
                             item.issue_standalone()
-                except BaseException as e:  # noqa: B036 - re-raised below
-                    failure = failure or e
+                    except BaseException as e:  # noqa: B036 - re-raised below
+                        failure = failure or e
             if failure is not None:
                 raise failure
         finally:
@@ -342,7 +340,7 @@ class EagerMicroPipeline:
             view=view,
         )
         self._store.add_matmul(mm, gather)
-        self._trace.event(mm.render())
+        self._trace.event(*mm.trace_event())
         return mm.out
 
     def _match_gather_operand(
@@ -479,6 +477,7 @@ class EagerMicroPipeline:
         if px is py or x.shape != y.shape or x.dtype != y.dtype or px.out.shape != py.out.shape:
             return None
         terms = [t for p in (px, py) for t in (p.terms if isinstance(p, PendingSum) else [p])]
+        px.absorbed = py.absorbed = True
         total = PendingSum(terms, self._placeholder(px.out, px.out.shape), self._store.next_tid())
         self._store.add_sum(total)
         self._trace.event(total.render())
@@ -500,16 +499,26 @@ class _EagerTPMode(TorchDispatchMode):
         self.pipeline = pipeline
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.pipeline._issuing:
+        # NB: the hot path. Plain ops while nothing is pending cost one dict
+        # lookup and two attribute reads on top of an empty mode.
+        pipeline = self.pipeline
+        if kwargs is None:
+            kwargs = {}
+        if types:  # tensor subclasses are involved
+            if any(issubclass(t, _DESUGAR_FIRST) for t in types):
+                return NotImplemented
+            if any(_has_dispatch_override(t) for t in types):
+                # Other subclasses (the FakeTensor of DTensor's sharding propagation)
+                # never hold our placeholders: pass them through untouched.
+                return func(*args, **kwargs)
+        if pipeline._issuing:
             return func(*args, **kwargs)
-        if any(issubclass(t, _DESUGAR_FIRST) for t in types):
-            return NotImplemented
-        if any(_has_dispatch_override(t) for t in types):
-            # Other subclasses (the FakeTensor of DTensor's sharding propagation)
-            # never hold our placeholders: pass them through untouched.
-            return func(*args, **kwargs)
-        return self.pipeline._dispatch(func, args, kwargs)
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            if not pipeline._store.items:
+                return func(*args, **kwargs)
+            handler = _passthrough
+        return handler(pipeline, func, args, kwargs)
 
 
 def _has_dispatch_override(t: type) -> bool:
@@ -518,6 +527,7 @@ def _has_dispatch_override(t: type) -> bool:
     )
 
 
+@functools.cache
 def _is_metadata_only(func: torch._ops.OpOverload) -> bool:
     return func in _PENDING_PASSTHROUGH or (func.is_view and not func._schema.is_mutable)
 
@@ -532,14 +542,15 @@ def _same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor
 
 def _matmul_shape_error(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """True if plain mm/addmm would reject these operands (then it should say why)."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or b.dtype != a.dtype or b.device != a.device:
         return True
-    others = [b] if bias is None else [b, bias]
-    if any(t.dtype != a.dtype or t.device != a.device for t in others):
+    if bias is None:
+        return False
+    if bias.dtype != a.dtype or bias.device != a.device:
         return True
     out_shape = (a.shape[0], b.shape[1])
     try:
-        return bias is not None and torch.broadcast_shapes(bias.shape, out_shape) != out_shape
+        return torch.broadcast_shapes(bias.shape, out_shape) != out_shape
     except RuntimeError:
         return True
 
@@ -717,9 +728,9 @@ def _add(p: EagerMicroPipeline, func, args, kwargs):
 
 
 def _passthrough(p: EagerMicroPipeline, func, args, kwargs):
-    """What an op without a handler gets (see EagerMicroPipeline._dispatch)."""
-    if p._store:
-        if _is_composite(func) and p._store.touched(tensor_leaves((args, kwargs))) is not None:
+    """What an op without a handler gets while work is pending."""
+    if p._store.items and func.namespace not in _COLLECTIVE_NAMESPACES and _is_composite(func):
+        if p._store.touched(tensor_leaves(args, kwargs)) is not None:
             # NB: composite ops (matmul, linear) reach the mode whole when autograd
             # is off (inference_mode); their decomposition (view -> mm ->
             # _unsafe_view) is what the handlers understand. Re-enter the mode so
@@ -729,10 +740,12 @@ def _passthrough(p: EagerMicroPipeline, func, args, kwargs):
                 result = func.decompose(*args, **kwargs)
             if result is not NotImplemented:
                 return result
+    if p._store.items:
         p._flush_if_needed(func, args, kwargs)
     return func(*args, **kwargs)
 
 
+@functools.cache
 def _is_composite(func: torch._ops.OpOverload) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 

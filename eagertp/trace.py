@@ -10,8 +10,10 @@ column-parallel linear on 2 ranks renders as::
     flush: aten.gelu.default read $1
     all_gather_matmul($0 -> $1) [ring]
 
-Every record holds strings and numbers only, never tensors, and both logs are
-bounded (``max_records``), so a mode left on for thousands of steps does not grow.
+Every record holds strings, numbers and shapes only, never tensors, and both
+logs are bounded (``max_records``), so a mode left on for thousands of steps does
+not grow. Events are formatted when the trace is read, not when they happen: the
+mode records one per deferred matmul, on the hot path.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +57,41 @@ class CollectiveRecord:
         via = f" [{self.backend}]" if self.backend else ""
         return f"{head}: not fused{via}: {self.reason}"
 
+    __str__ = render
+
+
+class Meta(NamedTuple):
+    """What the trace keeps of a tensor: enough for ``f32[8, 32]``."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+
+    @staticmethod
+    def of(t: torch.Tensor) -> Meta:
+        return Meta(t.dtype, t.shape)
+
 
 @dataclasses.dataclass
 class Event:
-    """One line of the ordered trace."""
+    """One line of the ordered trace: ``render(*args)``, formatted when read."""
 
-    text: str
+    render_fn: Callable[..., str]
+    args: tuple
 
     def render(self) -> str:
-        return self.text
+        return self.render_fn(*self.args)
+
+
+class Reason:
+    """Why something happened, formatted only when someone reads it."""
+
+    __slots__ = ("template", "args")
+
+    def __init__(self, template: str, *args: Any) -> None:
+        self.template, self.args = template, args
+
+    def __str__(self) -> str:
+        return self.template.format(*self.args)
 
 
 class Trace:
@@ -73,8 +105,12 @@ class Trace:
         self.dropped = 0  # collective records pushed out of the bounded log
         self._next_index: collections.Counter[str] = collections.Counter()
 
-    def event(self, text: str) -> None:
-        self.events.append(Event(text))
+    def event(self, render: str | Callable[..., str], *args: Any) -> None:
+        """Record ``render(*args)`` (or ``render.format(*args)`` for a template);
+        ``args`` must hold no tensors (use ``Meta.of``)."""
+        if isinstance(render, str):
+            render, args = (render.format, args) if args else (str, (render,))
+        self.events.append(Event(render, args))
 
     def new_collective(
         self, kind: str, *, src: str, dst: str, group: str
@@ -93,14 +129,14 @@ class Trace:
     ) -> None:
         record.reason = reason
         record.backend = backend
-        log.debug("eagertp: %s", record.render())
+        log.debug("eagertp: %s", record)
 
     def mark_fused(
         self, record: CollectiveRecord, fused_with: list[str], backend: str
     ) -> None:
         record.fused_with = fused_with
         record.backend = backend
-        log.debug("eagertp: %s", record.render())
+        log.debug("eagertp: %s", record)
 
     def debug_string(self) -> str:
         return "\n".join(e.render() for e in self.events)
