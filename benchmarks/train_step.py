@@ -1,0 +1,100 @@
+"""A DTensor tensor + sequence parallel transformer training step: unfused
+eager against eagertp, timed in the same run.
+
+    python benchmarks/train_step.py                    # 2 CPU ranks, plain loopback
+    python benchmarks/train_step.py --link-rate 2gbit  # wire-limited loopback
+
+The model and the TP plan are the demo's (eagertp.demo). Each sample is one
+forward + backward; the optimizer step is outside the timed region. CUDA and a
+torch.compile peer (Inductor's micro-pipeline TP) are not measured here yet:
+the CPU machines this runs on have neither a GPU nor symmetric memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import _harness
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/train_step.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _harness.add_common_args(parser)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--backend", default="auto", help="eagertp backend")
+    return parser.parse_args(argv)
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from eagertp import EagerMicroPipeline
+    from eagertp.demo import build_model
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+    group = mesh.get_group()
+    model = build_model(args, mesh)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, args.seq, args.dim, generator=g).chunk(world, dim=1)[rank].contiguous()
+
+    def step(context) -> None:
+        with context:
+            F.mse_loss(model(x), torch.zeros_like(x)).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    pipe = EagerMicroPipeline(backend=args.backend)
+    t_unfused = _harness.timeit(lambda: step(contextlib.nullcontext()), group, repeats=args.repeats, warmup=args.warmup)
+    t_fused = _harness.timeit(lambda: step(pipe), group, repeats=args.repeats, warmup=args.warmup)
+    # Once more, interleaved the other way round, against drift on a shared machine.
+    t_fused = min(t_fused, _harness.timeit(lambda: step(pipe), group, repeats=args.repeats, warmup=1))
+    t_unfused = min(t_unfused, _harness.timeit(lambda: step(contextlib.nullcontext()), group, repeats=args.repeats, warmup=1))
+    stats = dict(pipe.stats)
+    return {
+        "world_size": world,
+        "layers": args.layers,
+        "batch": args.batch,
+        "seq": args.seq,
+        "dim": args.dim,
+        "backend": pipe.backend,
+        "t_unfused": t_unfused,
+        "t_fused": t_fused,
+        "fused_ops_per_step": stats.get("all_gather_matmul", 0) + stats.get("matmul_reduce_scatter", 0),
+        "unfused_ops_per_step": stats.get("unfused_all_gather", 0) + stats.get("unfused_reduce_scatter", 0),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with _harness.quiet_warnings():
+        r = _harness.run(args, _worker)
+    link = args.link_rate or "loopback"
+    r["link"] = link
+    print(
+        f"train_step: {r['world_size']} ranks, gloo on {link}, {r['layers']} blocks, batch {r['batch']}, "
+        f"seq {r['seq']}, dim {r['dim']}; forward + backward, median of {args.repeats}"
+    )
+    print(f"  unfused eager  {r['t_unfused'] * 1e3:8.1f} ms")
+    print(
+        f"  eagertp        {r['t_fused'] * 1e3:8.1f} ms   ({r['t_unfused'] / r['t_fused']:.2f}x; "
+        f"{r['fused_ops_per_step']} fused, {r['unfused_ops_per_step']} unfused collectives per step)"
+    )
+    _harness.write_json(args.json, r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
