@@ -360,17 +360,16 @@ class PendingStore:
         product.scatter_views.append(view)
         self._owner[storage_key(view.tensor)] = product
 
-    def add_sum(self, total: PendingSum) -> None:
-        self.items.append(total)
-        self._owner[storage_key(total.out)] = total
+    def add_product(self, product: Product) -> None:
+        """A standalone matmul or sum (again, after a fused reduce-scatter took it out)."""
+        self.items.append(product)
+        for t in (product.out, *(sv.tensor for sv in product.scatter_views)):
+            self._owner[storage_key(t)] = product
+        self._inputs.update(storage_key(t) for t in product.inputs())
 
-    def add_matmul(self, mm: PendingMatmul, gather: PendingGather | None = None) -> None:
-        """A consumer of ``gather``, or a standalone matmul when it is None."""
-        if gather is None:
-            self.items.append(mm)
-        else:
-            gather.consumers.append(mm)
-        self._owner[storage_key(mm.out)] = gather or mm
+    def add_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
+        gather.consumers.append(mm)
+        self._owner[storage_key(mm.out)] = gather
         self._inputs.update(storage_key(t) for t in mm.inputs())
 
     def remove(self, product: Product) -> None:

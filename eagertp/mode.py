@@ -122,8 +122,7 @@ class EagerMicroPipeline:
         stats: counters. ``all_gather_matmul`` and ``matmul_reduce_scatter``
             (fused calls issued), ``fused_matmuls`` (matmuls inside the fused
             all-gathers), ``unfused_all_gather`` and ``unfused_reduce_scatter``
-            (issued alone, each with a reason in ``explain()``),
-            ``skipped_unobserved_matmuls`` (deferred matmuls nothing could read).
+            (issued alone, each with a reason in ``explain()``).
     """
 
     def __init__(
@@ -238,8 +237,8 @@ class EagerMicroPipeline:
                             plan = AllGatherMatmulPlan(item)
                             self._issue(plan, f"no matmul consumed it before {reason}")
                         elif item.absorbed and item.unobserved():
-                            # A term of a sum that was produced fused: nothing can read it.
-                            self.stats["skipped_unobserved_matmuls"] += 1
+                            # Its fused consumer already produced what it needed
+                            # and nothing else can read it: computing it is waste.
                             self._trace.event("skip ${}: nothing can read it", item.tid)
                         else:
                             item.issue_standalone()
@@ -339,7 +338,10 @@ class EagerMicroPipeline:
             operand=operand,
             view=view,
         )
-        self._store.add_matmul(mm, gather)
+        if gather is None:
+            self._store.add_product(mm)
+        else:
+            self._store.add_consumer(gather, mm)
         self._trace.event(*mm.trace_event())
         return mm.out
 
@@ -448,11 +450,17 @@ class EagerMicroPipeline:
             self._store.remove(product)
             self._flush(f"{func} issued")  # earlier work first: same collective order
             plan = ReduceScatterPlan(out, reduce_op, group, record, product=product, scatter_view=scatter_view)
-        else:
-            if self._store:
-                self._flush(f"{func} issued")
-            plan = ReduceScatterPlan(out, reduce_op, group, record, inp=inp.contiguous())
-        self._issue(plan, why_not or "")
+            self._issue(plan, "")
+            # NB: the producer computed only what the reduce-scatter needs. The
+            # program may still read the product's own output: it stays pending,
+            # computed in full only if something reads it, skipped otherwise.
+            product.absorbed = True
+            self._store.add_product(product)
+            return out
+        if self._store:
+            self._flush(f"{func} issued")
+        plan = ReduceScatterPlan(out, reduce_op, group, record, inp=inp.contiguous())
+        self._issue(plan, why_not)
         return out
 
     @staticmethod
@@ -479,7 +487,7 @@ class EagerMicroPipeline:
         terms = [t for p in (px, py) for t in (p.terms if isinstance(p, PendingSum) else [p])]
         px.absorbed = py.absorbed = True
         total = PendingSum(terms, self._placeholder(px.out, px.out.shape), self._store.next_tid())
-        self._store.add_sum(total)
+        self._store.add_product(total)
         self._trace.event(total.render())
         return total.out.view(x.shape)
 

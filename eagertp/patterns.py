@@ -126,8 +126,9 @@ class ReduceScatterPlan:
 
     with a producer that computes only the rows of chunk ``c`` when the ring
     needs them, ``C[c*m:(c+1)*m] = A[c*m:(c+1)*m] @ B``, so the matmul of one
-    chunk overlaps the transfer of the previous partial sum and the full ``C``
-    is never materialised.
+    chunk overlaps the transfer of the previous partial sum. ``C`` itself is
+    computed only if the program reads it afterwards (its placeholder exists,
+    as plain eager's output would).
     """
 
     out: torch.Tensor  # [M / W, ...]

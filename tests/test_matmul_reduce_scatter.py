@@ -230,3 +230,33 @@ def test_input_gradient_of_fused_qkv_is_one_fused_reduce_scatter(pool, world, us
         assert_expected_inline(results[0]["explain"], """\
 all_gather #0 f32[4, 8] -> f32[8, 8] on group '2' (2 ranks): fused with mm -> $1, mm -> $2, mm -> $3 [ring]
 reduce_scatter(sum) #0 f32[8, 8] -> f32[4, 8] on group '2' (2 ranks): fused with mm + mm + mm -> $11 [ring]""")
+
+
+def _read_after_fused_worker(rank, group):
+    """The matmul output stays readable after its reduce-scatter fused: the
+    producer computed only chunks, so reading the whole output computes it."""
+    h = integer_tensor((4, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 6), torch.float32, seed=100 + rank)
+    expected_y = h @ w
+    expected = reduce_scatter(expected_y, group)
+    with EagerMicroPipeline(poison=True) as pipe:
+        y = h @ w
+        got = reduce_scatter(y, group)
+        total = y.sum()  # read after the fused reduce-scatter
+    with EagerMicroPipeline() as dropped:
+        reduce_scatter(h @ w, group)  # nobody keeps the matmul output
+    return {
+        "ok": torch.equal(got, expected) and torch.equal(y, expected_y) and torch.equal(total, expected_y.sum()),
+        "stats": dict(pipe.stats),
+        "dropped": dict(dropped.stats),
+        "dropped_trace": dropped.debug_string(),
+    }
+
+
+def test_matmul_output_read_after_its_fused_reduce_scatter(pool):
+    for r in pool.run(_read_after_fused_worker, 2):
+        assert r["ok"], r
+        assert r["stats"] == {"matmul_reduce_scatter": 1}, r
+        # not read: never computed in full
+        assert r["dropped"] == {"matmul_reduce_scatter": 1}, r
+        assert r["dropped_trace"].endswith("skip $0: nothing can read it"), r["dropped_trace"]

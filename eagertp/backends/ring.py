@@ -31,8 +31,8 @@ result; after ``W - 1`` steps it holds chunk ``r`` reduced over every rank. On
     comm:    [ send P[2] ][ recv 1 / send P[1]+1 ][ recv 0 ]
     compute: [ P[2] ]     [ P[1] ]  [ + ]         [ P[0] ]  [ + ] -> out
 
-Only this rank's contribution to one chunk is ever computed at a time, so the
-full matmul output is never materialised. The messages depend only on the
+Only this rank's contribution to one chunk is computed at a time, into one of
+three chunk-sized buffers. The messages depend only on the
 shapes, ``reduce_op`` and the group, never on the producer: an unfused
 reduce-scatter is the same ring whose producer copies a slice of its input.
 """
