@@ -40,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--backend", default="auto", help="eagertp backend")
+    parser.add_argument(
+        "--ring-pieces", type=int, default=None, help="override the ring's maximum pieces per shard (MAX_PIECES)"
+    )
     parser.add_argument("--plot", metavar="PATH", default=None, help="plot fused/unfused vs comm/compute (needs matplotlib)")
     return parser.parse_args(argv)
 
@@ -51,7 +54,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
     from eagertp import EagerMicroPipeline
     from eagertp._compat import all_gather_single, reduce_scatter_single
+    from eagertp.backends import ring
 
+    if args.ring_pieces is not None:
+        ring.MAX_PIECES = args.ring_pieces
     group = dist.group.WORLD
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(rank)

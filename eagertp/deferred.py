@@ -83,18 +83,36 @@ class GatheredView:
         """Size of one rank's block along ``dim``."""
         return self.tensor.shape[self.dim] // self.world
 
-    def fill(self, chunk: torch.Tensor, src: int) -> None:
-        """Copy rank ``src``'s chunk into place (dim 0: the ring already did)."""
-        if self.dim:
-            self.tensor.narrow(self.dim, src * self.block, self.block).copy_(chunk)
+    @property
+    def shard_rows(self) -> int:
+        """Size of dim 0 of one rank's shard (the dim backends split it along)."""
+        return self.tensor.shape[0] // self.world if self.dim == 0 else self.tensor.shape[0]
 
-    def rows_of(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        """Rows ``R_src`` of ``t`` [M, X], whose rows follow the rows of this view."""
+    def fill(self, piece: torch.Tensor, src: int, rows: slice) -> None:
+        """Copy rows ``rows`` of rank ``src``'s shard into place (dim 0: the ring
+        already put them there)."""
+        if self.dim:
+            self.tensor.narrow(self.dim, src * self.block, self.block)[rows].copy_(piece)
+
+    def rows_of(self, t: torch.Tensor, src: int, rows: slice | None = None) -> torch.Tensor:
+        """The rows of ``t`` [M, X] (whose rows follow this view's) that rows
+        ``rows`` of rank ``src``'s shard make: all of ``R_src`` when ``rows`` is
+        None. With dim 0 they are contiguous; else a strided copy."""
         if self.dim == 0:
-            rows = t.shape[0] // self.world
-            return t[src * rows : (src + 1) * rows]
+            per_rank = t.shape[0] // self.world
+            start, stop = src * per_rank, (src + 1) * per_rank
+            if rows is not None:  # aligned(): whole rows of t per shard row
+                per_shard_row = per_rank // self.shard_rows
+                start, stop = start + rows.start * per_shard_row, start + rows.stop * per_shard_row
+            return t[start:stop]
         lead = self.tensor.shape[:-1]
-        return t.reshape(*lead, t.shape[-1]).narrow(self.dim, src * self.block, self.block).reshape(-1, t.shape[-1])
+        block = t.reshape(*lead, t.shape[-1]).narrow(self.dim, src * self.block, self.block)
+        return (block if rows is None else block[rows]).reshape(-1, t.shape[-1])
+
+    def aligned(self, t: torch.Tensor) -> bool:
+        """True if every shard row makes whole rows of ``t`` (a row view of this
+        gathered tensor), so pieces of a shard map to row ranges of ``t``."""
+        return self.dim != 0 or (t.shape[0] // self.world) % self.shard_rows == 0
 
     def is_rows(self, g: torch.Tensor) -> bool:
         """True if ``g`` is this view seen as rows ``[M, C]`` that split by rank."""

@@ -18,7 +18,7 @@ from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
 from eagertp.backends.base import ChunkConsumer, ChunkProducer
 from eagertp.backends.reference import ReferenceBackend
-from eagertp.deferred import Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView
+from eagertp.deferred import GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView
 from eagertp.trace import CollectiveRecord
 
 aten = torch.ops.aten
@@ -82,16 +82,18 @@ class AllGatherMatmulPlan:
         return checks
 
     def consumer(self) -> ChunkConsumer | None:
-        # Views gathered along dim > 0 are filled chunk by chunk too (the copy
+        g = self.gather
+        # Views gathered along dim > 0 are filled piece by piece too (the copy
         # plain eager's cat would do, overlapped with the transfers).
-        steps = [view.fill for view in self.gather.views[1:]]
-        steps += [_chunk_step(mm) for mm in self.gather.consumers]
+        steps = [view.fill for view in g.views[1:]]
+        whole = g.out.view(g.group.size(), *g.shard.shape)  # whole[i]: rank i's shard, once arrived
+        steps += [_chunk_step(mm, whole) for mm in g.consumers]
         if not steps:
             return None
 
-        def consume(chunk: torch.Tensor, src: int) -> None:
+        def consume(piece: torch.Tensor, src: int, rows: slice) -> None:
             for step in steps:
-                step(chunk, src)
+                step(piece, src, rows)
 
         return consume
 
@@ -226,60 +228,85 @@ def _b_str(mm: PendingMatmul) -> str:
     return "gathered" if mm.b is None else tensor_str(mm.b)
 
 
-def _chunk_step(mm: PendingMatmul) -> Callable[[torch.Tensor, int], None]:
-    """The part of ``mm`` that rank ``src``'s chunk enables, as a callable
-    (Note [Matmul operands of a gather])."""
+def _chunk_step(mm: PendingMatmul, whole: torch.Tensor) -> ChunkConsumer:
+    """The part of ``mm`` that rows ``rows`` of rank ``src``'s shard enable, as a
+    consumer (Note [Matmul operands of a gather]). ``whole[src]`` is rank src's
+    shard: a consumer whose rows do not split along the pieces waits for it."""
     view = mm.view
     assert view is not None, "only gather consumers have chunk steps"
-    if mm.operand is Operand.ROWS:
-        m, n = mm.out.shape
-        c = mm.b.shape[0]
-        bias = None if mm.bias is None else mm.bias.expand(m, n)  # as addmm broadcasts
+    part = _rows_part(mm, view) if mm.operand is Operand.ROWS else _accumulate_part(mm, view)
+    # The [M, X] operand whose rows follow the gathered rows (COLS splits columns).
+    rows_view = {Operand.ROWS: mm.out, Operand.ROWS_T: mm.b, Operand.B_ROWS: mm.a}.get(mm.operand)
+    if rows_view is None or view.aligned(rows_view if mm.operand is not Operand.B_ROWS else rows_view.t()):
+        return part
+    shard_rows = whole.shape[1]
 
-        def rows_step(chunk: torch.Tensor, src: int) -> None:
-            g = chunk.view(-1, c)
-            out = view.rows_of(mm.out, src) if view.dim == 0 else None  # contiguous rows
-            if bias is None:
-                res = torch.mm(g, mm.b, out=out)
-            else:
-                b_rows = view.rows_of(bias, src)
-                res = torch.addmm(b_rows, g, mm.b, beta=mm.beta, alpha=mm.alpha, out=out)
-            if out is None:  # rows R_src are strided in mm.out: place them
-                lead = view.tensor.shape[:-1]
-                out_rows = mm.out.view(*lead, n).narrow(view.dim, src * view.block, view.block)
-                out_rows.copy_(res.view(out_rows.shape))
+    def whole_shard_part(piece: torch.Tensor, src: int, rows: slice) -> None:
+        if rows.stop == shard_rows:  # the last piece: the shard is complete
+            part(whole[src], src, slice(0, shard_rows))
 
-        return rows_step
+    return whole_shard_part
 
-    # Contraction over the gathered rows (or columns): one partial product per chunk.
+
+def _rows_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
+    """ROWS: out[R] = G[R] @ B for the rows R the piece makes (disjoint writes)."""
+    m, n = mm.out.shape
+    c = mm.b.shape[0]
+    bias = None if mm.bias is None else mm.bias.expand(m, n)  # as addmm broadcasts
+    lead = view.tensor.shape[:-1]
+
+    def rows_part(piece: torch.Tensor, src: int, rows: slice) -> None:
+        g = piece.reshape(-1, c)
+        out = view.rows_of(mm.out, src, rows) if view.dim == 0 else None  # contiguous rows
+        if bias is None:
+            res = torch.mm(g, mm.b, out=out)
+        else:
+            res = torch.addmm(view.rows_of(bias, src, rows), g, mm.b, beta=mm.beta, alpha=mm.alpha, out=out)
+        if out is None:  # rows R are strided in mm.out: place them
+            out_rows = mm.out.view(*lead, n).narrow(view.dim, src * view.block, view.block)[rows]
+            out_rows.copy_(res.view(out_rows.shape))
+
+    return rows_part
+
+
+def _accumulate_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
+    """ROWS_T, B_ROWS, COLS: out (or its rows, for COLS) += one partial product
+    per piece. The first piece to arrive starts out at ``beta * bias`` (or 0)."""
+    out = mm.out
     if mm.operand is Operand.ROWS_T:
 
-        def factors(chunk: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return chunk.view(-1, mm.out.shape[0]).t(), view.rows_of(mm.b, src)
+        def factors(piece: torch.Tensor, src: int, rows: slice):
+            return out, piece.reshape(-1, out.shape[0]).t(), view.rows_of(mm.b, src, rows)
 
     elif mm.operand is Operand.B_ROWS:
 
-        def factors(chunk: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return view.rows_of(mm.a.t(), src).t(), chunk.view(-1, mm.out.shape[1])
+        def factors(piece: torch.Tensor, src: int, rows: slice):
+            return out, view.rows_of(mm.a.t(), src, rows).t(), piece.reshape(-1, out.shape[1])
 
     else:
         assert mm.operand is Operand.COLS, f"unknown operand {mm.operand}"
+        out_rows_per_shard_row = out.shape[0] // view.tensor.shape[0]  # lead dims are the shard's
 
-        def factors(chunk: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return chunk.view(mm.out.shape[0], -1), mm.b[src * view.block : (src + 1) * view.block]
+        def factors(piece: torch.Tensor, src: int, rows: slice):
+            out_rows = out[rows.start * out_rows_per_shard_row : rows.stop * out_rows_per_shard_row]
+            return out_rows, piece.reshape(-1, view.block), mm.b[src * view.block : (src + 1) * view.block]
 
-    arrived = 0
+    started = False
 
-    def accumulate_step(chunk: torch.Tensor, src: int) -> None:
-        nonlocal arrived
-        x, y = factors(chunk, src)
-        if arrived == 0:
-            mm.compute(x, y, mm.out)  # applies the bias and beta once
-        else:
-            mm.out.addmm_(x, y, alpha=mm.alpha)
-        arrived += 1
+    def accumulate_part(piece: torch.Tensor, src: int, rows: slice) -> None:
+        nonlocal started
+        if not started:
+            started = True
+            if mm.bias is None:
+                out.zero_()
+            else:
+                out.copy_(mm.bias.expand(out.shape))
+                if mm.beta != 1:
+                    out.mul_(mm.beta)
+        target, x, y = factors(piece, src, rows)
+        target.addmm_(x, y, alpha=mm.alpha)
 
-    return accumulate_step
+    return accumulate_part
 
 
 def _whole_operands(mm: PendingMatmul, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,3 +73,17 @@ class OpCounter(TorchDispatchMode):
     @property
     def p2p(self) -> int:
         return self.counts["c10d.send.default"] + self.counts["c10d.recv_.default"]
+
+
+def with_small_pieces(rank, group, worker, *args):
+    """Run ``worker`` with the ring splitting every shard into as many pieces as
+    it can (one byte minimum), so that small test shapes exercise the piecewise
+    pipeline and its consumers."""
+    from eagertp.backends import ring
+
+    saved = ring.PIECE_MIN_BYTES
+    ring.PIECE_MIN_BYTES = 1
+    try:
+        return worker(rank, group, *args)
+    finally:
+        ring.PIECE_MIN_BYTES = saved

@@ -8,8 +8,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-# consumer(chunk, src_rank): called once per rank's chunk of the gathered tensor.
-ChunkConsumer = Callable[[torch.Tensor, int], None]
+# consumer(piece, src_rank, rows): piece is rows `rows` (a slice along dim 0) of
+# rank src_rank's shard. A backend delivers each shard whole or in pieces; the
+# pieces of one shard arrive in order, so the last one completes the shard.
+ChunkConsumer = Callable[[torch.Tensor, int, slice], None]
 
 # producer(dst_rank, buf): writes into buf this rank's contribution to the chunk
 # that rank dst_rank keeps after the reduce-scatter.
@@ -31,10 +33,10 @@ class Backend(Protocol):
 
 
 def consume_in_order(consumer: ChunkConsumer | None, chunks: torch.Tensor) -> None:
-    """Run ``consumer`` on every rank's chunk, rank order (all chunks present)."""
+    """Run ``consumer`` on every rank's whole chunk, rank order (all present)."""
     if consumer is not None:
         for src, chunk in enumerate(chunks):
-            consumer(chunk, src)
+            consumer(chunk, src, slice(0, chunk.shape[0]))
 
 
 def check_gather_buffers(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -5,15 +5,17 @@ NCCL on GPUs.
 
 All-gather + consume
 --------------------
-The all-gather runs as a ring: at step ``s`` rank ``r`` forwards
-the chunk it holds, ``(r - s) % W``, to rank ``r + 1`` and receives chunk
-``(r - s - 1) % W`` from rank ``r - 1``, while it consumes the chunk it holds.
-On 3 ranks, as seen by rank 0 (``mm[i]`` is the consumer on rank i's chunk)::
+The all-gather runs as a ring: at step ``s`` rank ``r`` forwards the shard it
+holds, ``(r - s) % W``, to rank ``r + 1`` and receives shard ``(r - s - 1) % W``
+from rank ``r - 1``. Each shard travels in pieces (``piece_rows``: up to 4, split
+along dim 0), and the consumer runs on each piece as soon as it has arrived, so
+only the last piece's work is exposed. On 2 ranks with 3 pieces, as seen by
+rank 0 (``mm[i.j]``: the consumer on piece j of rank i's shard)::
 
-    comm:    [ send 0 / recv 2 ][ send 2 / recv 1 ]
-    compute: [ copy 0 ][ mm[0] ]  [ mm[2] ]          [ mm[1] ]
+    comm:    [ 1.0 ][ 1.1 ][ 1.2 ]
+    compute: [ mm[0] (own shard)   ][ mm[1.0] ][ mm[1.1] ][ mm[1.2] ]
 
-Received chunks land directly in ``ag_out`` (the placeholder the program already
+Received pieces land directly in ``ag_out`` (the placeholder the program already
 holds): there is no staging buffer and no extra full-size copy.
 
 The messages depend only on the shapes and the group, never on the consumer
@@ -74,20 +76,29 @@ class RingBackend:
             return
 
         send_to, recv_from = (rank + 1) % world, (rank - 1) % world
-        sends: list[dist.Work] = []
-        held, src = shard, rank
-        for step in range(world):
-            recv = None
-            if step + 1 < world:
-                # Post the transfer of the next chunk before consuming this one.
-                sends.append(_isend(held, group, send_to))
-                src_next = (src - 1) % world
-                recv = _irecv(chunks[src_next], group, recv_from)
-            if consumer is not None:
-                consumer(held, src)
-            if recv is not None:
+        rows = piece_rows(shard)  # the same on every rank: it depends on the shape only
+
+        def recv_pieces(src: int) -> list[dist.Work]:
+            return [_irecv(chunks[src][r], group, recv_from) for r in rows]
+
+        # Step 0: this rank's shard goes out, the next shard's pieces are posted.
+        sends = [_isend(chunks[rank][r], group, send_to) for r in rows]
+        src = (rank - 1) % world
+        recvs = recv_pieces(src)
+        if consumer is not None:
+            consumer(chunks[rank], rank, slice(0, shard.shape[0]))
+        for step in range(1, world):
+            forward = step + 1 < world
+            next_recvs = []
+            for r, recv in zip(rows, recvs):
+                # The consumer of piece j overlaps the transfer of piece j+1.
                 recv.wait()
-                held, src = chunks[src_next], src_next
+                if forward:
+                    sends.append(_isend(chunks[src][r], group, send_to))
+                    next_recvs.append(_irecv(chunks[(src - 1) % world][r], group, recv_from))
+                if consumer is not None:
+                    consumer(chunks[src][r], src, r)
+            src, recvs = (src - 1) % world, next_recvs
         for work in sends:
             work.wait()
 
@@ -144,6 +155,22 @@ def _mul(acc: torch.Tensor, other: torch.Tensor) -> None:
 
 # reduce_op -> in-place combine of a received partial into the local one.
 _COMBINE = {"sum": _add, "avg": _add, "max": _max, "min": _min, "product": _mul}
+
+
+# A shard travels in up to this many pieces, each at least PIECE_MIN_BYTES, so
+# that the consumer of one piece overlaps the transfer of the next.
+MAX_PIECES = 4
+PIECE_MIN_BYTES = 64 * 1024
+
+
+def piece_rows(shard: torch.Tensor) -> list[slice]:
+    """How a shard is split along dim 0 for the ring: a function of its shape
+    and dtype only, so that every rank exchanges the same messages."""
+    n_rows = shard.shape[0]
+    nbytes = shard.numel() * shard.element_size()
+    pieces = max(1, min(MAX_PIECES, n_rows, nbytes // PIECE_MIN_BYTES))
+    bounds = [i * n_rows // pieces for i in range(pieces + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _isend(t: torch.Tensor, group: dist.ProcessGroup, group_dst: int) -> dist.Work:
