@@ -76,14 +76,14 @@ class OpCounter(TorchDispatchMode):
 
 
 def with_small_pieces(rank, group, worker, *args):
-    """Run ``worker`` with the ring splitting every shard into as many pieces as
-    it can (one byte minimum), so that small test shapes exercise the piecewise
-    pipeline and its consumers."""
+    """Run ``worker`` with the ring splitting every shard into up to 4 pieces of
+    one byte or more, so that small test shapes exercise the piecewise pipeline
+    and its consumers."""
     from eagertp.backends import ring
 
-    saved = ring.PIECE_MIN_BYTES
-    ring.PIECE_MIN_BYTES = 1
+    saved = ring.MAX_PIECES, ring.PIECE_MIN_BYTES
+    ring.MAX_PIECES, ring.PIECE_MIN_BYTES = 4, 1
     try:
         return worker(rank, group, *args)
     finally:
-        ring.PIECE_MIN_BYTES = saved
+        ring.MAX_PIECES, ring.PIECE_MIN_BYTES = saved

@@ -1,8 +1,8 @@
-"""The ring's piecewise pipeline: each shard travels in up to 4 pieces and the
-consumers run per piece. Small shapes split only with the minimum piece size
-lowered (helpers.with_small_pieces); every fusion form must still equal plain
-eager bitwise, including consumers whose rows do not split along the pieces
-(they wait for the whole shard)."""
+"""The ring's piecewise pipeline: a shard may travel in pieces and the consumers
+run per piece. It is off by default (one piece, by measurement on CPU) and on
+here through helpers.with_small_pieces (up to 4 pieces of any size); every
+fusion form must still equal plain eager bitwise, including consumers whose
+rows do not split along the pieces (they wait for the whole shard)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ WORLDS = [2, 4]
 
 
 def test_piece_rows_depend_on_shape_only():
-    assert piece_rows(torch.empty(1, 8)) == [slice(0, 1)]
-    assert piece_rows(torch.empty(1024, 1024)) == [slice(0, 256), slice(256, 512), slice(512, 768), slice(768, 1024)]
-    assert piece_rows(torch.empty(3, 8)) == [slice(0, 3)]  # 96 bytes: below the minimum piece
+    split = {"max_pieces": 4, "min_bytes": 64 * 1024}
+    assert piece_rows(torch.empty(1, 8), **split) == [slice(0, 1)]
+    assert piece_rows(torch.empty(1024, 1024), **split) == [slice(0, 256), slice(256, 512), slice(512, 768), slice(768, 1024)]
+    assert piece_rows(torch.empty(3, 8), **split) == [slice(0, 3)]  # 96 bytes: below the minimum piece
+    assert piece_rows(torch.empty(1024, 1024)) == [slice(0, 1024)]  # the default: one piece
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -7,9 +7,9 @@ All-gather + consume
 --------------------
 The all-gather runs as a ring: at step ``s`` rank ``r`` forwards the shard it
 holds, ``(r - s) % W``, to rank ``r + 1`` and receives shard ``(r - s - 1) % W``
-from rank ``r - 1``. Each shard travels in pieces (``piece_rows``: up to 4, split
-along dim 0), and the consumer runs on each piece as soon as it has arrived, so
-only the last piece's work is exposed. On 2 ranks with 3 pieces, as seen by
+from rank ``r - 1``. A shard may travel in pieces (``piece_rows``: split along
+dim 0; one piece by default), and the consumer runs on each piece as soon as it
+has arrived, so only the last piece's work is exposed. On 2 ranks with 3 pieces, as seen by
 rank 0 (``mm[i.j]``: the consumer on piece j of rank i's shard)::
 
     comm:    [ 1.0 ][ 1.1 ][ 1.2 ]
@@ -157,18 +157,22 @@ def _mul(acc: torch.Tensor, other: torch.Tensor) -> None:
 _COMBINE = {"sum": _add, "avg": _add, "max": _max, "min": _min, "product": _mul}
 
 
-# A shard travels in up to this many pieces, each at least PIECE_MIN_BYTES, so
-# that the consumer of one piece overlaps the transfer of the next.
-MAX_PIECES = 4
+# A shard may travel in up to MAX_PIECES pieces of at least PIECE_MIN_BYTES, so
+# that the consumer of one piece overlaps the transfer of the next. Measured on
+# 2 CPU ranks over gloo (benchmarks/NOTES.md), 4 pieces did not beat 1: the
+# copies and the matmuls share the same cores. One piece until measured on GPUs.
+MAX_PIECES = 1
 PIECE_MIN_BYTES = 64 * 1024
 
 
-def piece_rows(shard: torch.Tensor) -> list[slice]:
+def piece_rows(shard: torch.Tensor, max_pieces: int | None = None, min_bytes: int | None = None) -> list[slice]:
     """How a shard is split along dim 0 for the ring: a function of its shape
     and dtype only, so that every rank exchanges the same messages."""
+    max_pieces = MAX_PIECES if max_pieces is None else max_pieces
+    min_bytes = PIECE_MIN_BYTES if min_bytes is None else min_bytes
     n_rows = shard.shape[0]
     nbytes = shard.numel() * shard.element_size()
-    pieces = max(1, min(MAX_PIECES, n_rows, nbytes // PIECE_MIN_BYTES))
+    pieces = max(1, min(max_pieces, n_rows, nbytes // max(min_bytes, 1)))
     bounds = [i * n_rows // pieces for i in range(pieces + 1)]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
