@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, worker: Callable[[int, int, argparse.Namespace
     With ``--link-rate`` (and not yet inside), re-run this script inside a
     shaped network namespace and return what it wrote.
     """
-    if args.link_rate and not getattr(args, "in_netns"):
+    if args.link_rate and not args.in_netns:
         return _run_in_shaped_netns(args)
     import torch.multiprocessing as mp
 

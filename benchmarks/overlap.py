@@ -47,82 +47,75 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
+    """``(comm, mm, program)`` for one fused form: the collective alone, the
+    matmul alone, and the unfused program that eagertp fuses."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from eagertp import EagerMicroPipeline
     from eagertp._compat import all_gather_single, reduce_scatter_single
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(k, n, generator=g, dtype=dtype)
+    full = torch.empty(m, k, dtype=dtype)
+    if op in ("all_gather_matmul", "all_gather_matmul_k"):
+        gather_dim = 0 if op == "all_gather_matmul" else 1
+        shard = torch.randn(*((m // world, k) if gather_dim == 0 else (m, k // world)), generator=g, dtype=dtype)
+        gathered = torch.empty(world * shard.shape[0], shard.shape[1], dtype=dtype)
+
+        def comm():
+            all_gather_single(gathered, shard, group=group)
+
+        def program():
+            funcol.all_gather_tensor(shard, gather_dim, group) @ b
+
+    else:
+        a = torch.randn(m, k, generator=g, dtype=dtype)
+        c = torch.randn(m, n, dtype=dtype)
+        out = torch.empty(m // world, n, dtype=dtype)
+
+        def comm():
+            reduce_scatter_single(out, c, group=group)
+
+        def program():
+            funcol.reduce_scatter_tensor(a @ b, "sum", 0, group).wait()
+
+    def mm():
+        torch.mm(full, b)
+
+    return comm, mm, program
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from eagertp import EagerMicroPipeline
     from eagertp.backends import ring
 
     if args.ring_pieces is not None:
         ring.MAX_PIECES = args.ring_pieces
-    group = dist.group.WORLD
-    dtype = getattr(torch, args.dtype)
-    g = torch.Generator().manual_seed(rank)
     results = []
     for op in args.ops:
         for n in args.n:
-            m, k = args.m, args.k
-            if op == "all_gather_matmul":
-                shard = torch.randn(m // world, k, generator=g, dtype=dtype)
-                b = torch.randn(k, n, generator=g, dtype=dtype)
-                full = torch.empty(m, k, dtype=dtype)
-
-                def comm():
-                    all_gather_single(full, shard, group=group)
-
-                def mm():
-                    torch.mm(full, b)
-
-                def program():
-                    funcol.all_gather_tensor(shard, 0, group) @ b
-
-            elif op == "all_gather_matmul_k":
-                shard = torch.randn(m, k // world, generator=g, dtype=dtype)
-                b = torch.randn(k, n, generator=g, dtype=dtype)
-                full = torch.empty(m, k, dtype=dtype)
-                stacked = torch.empty(world * m, k // world, dtype=dtype)
-
-                def comm():
-                    all_gather_single(stacked, shard, group=group)
-
-                def mm():
-                    torch.mm(full, b)
-
-                def program():
-                    funcol.all_gather_tensor(shard, 1, group) @ b
-
-            else:
-                a = torch.randn(m, k, generator=g, dtype=dtype)
-                b = torch.randn(k, n, generator=g, dtype=dtype)
-                c = torch.randn(m, n, dtype=dtype)
-                out = torch.empty(m // world, n, dtype=dtype)
-
-                def comm():
-                    reduce_scatter_single(out, c, group=group)
-
-                def mm():
-                    torch.mm(a, b)
-
-                def program():
-                    funcol.reduce_scatter_tensor(a @ b, "sum", 0, group).wait()
-
+            comm, mm, program = _case(op, args.m, args.k, n, world, getattr(torch, args.dtype), seed=rank)
             pipe = EagerMicroPipeline(backend=args.backend)
 
-            def fused():
+            def fused(pipe=pipe, program=program):
                 with pipe:
                     program()
 
             t = {
-                name: _harness.timeit(fn, group, repeats=args.repeats, warmup=args.warmup)
+                name: _harness.timeit(fn, dist.group.WORLD, repeats=args.repeats, warmup=args.warmup)
                 for name, fn in [("t_comm", comm), ("t_mm", mm), ("t_unfused", program), ("t_fused", fused)]
             }
             fused_ops = pipe.stats["all_gather_matmul"] + pipe.stats["matmul_reduce_scatter"]
             assert fused_ops == 1, f"{op} did not run fused: {pipe.explain()}"
             results.append(
-                {"op": op, "M": m, "K": k, "N": n, "world_size": world, "dtype": args.dtype, "backend": pipe.backend, **t}
+                {"op": op, "M": args.m, "K": args.k, "N": n, "world_size": world, "dtype": args.dtype,
+                 "backend": pipe.backend, **t}
             )
     return results
 

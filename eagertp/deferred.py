@@ -155,8 +155,23 @@ class ScatterView:
         torch.cat(mm_out.view(self.shape).chunk(self.world, self.dim), 0, out=self.tensor)
 
 
+class _Standalone:
+    """What a standalone matmul and a sum of matmuls share: issued on their own
+    at a flush, or skipped when nothing can read them."""
+
+    __slots__ = ()
+
+    def issue_standalone(self) -> None:
+        self.compute_all(self.out)
+        for sv in self.scatter_views:
+            sv.fill(self.out)
+
+    def unobserved(self) -> bool:
+        return _unobserved(self)
+
+
 @dataclasses.dataclass(eq=False, slots=True)
-class PendingMatmul:
+class PendingMatmul(_Standalone):
     """``out = addmm(bias, a, b, beta=beta, alpha=alpha)``, or ``mm(a, b)`` when
     ``bias`` is None, not yet computed.
 
@@ -216,20 +231,12 @@ class PendingMatmul:
         assert self.a is not None and self.b is not None, "a gather consumer is issued by its gather"
         self.compute(self.a, self.b, out)
 
-    def issue_standalone(self) -> None:
-        self.compute_all(self.out)
-        for sv in self.scatter_views:
-            sv.fill(self.out)
-
-    def unobserved(self) -> bool:
-        return _unobserved(self)
-
     def inputs(self) -> list[torch.Tensor]:
         return [t for t in (self.a, self.b, self.bias) if t is not None]
 
 
 @dataclasses.dataclass(eq=False)
-class PendingSum:
+class PendingSum(_Standalone):
     """``out = terms[0].out + terms[1].out + ...`` of standalone pending matmuls,
     not yet computed: autograd's accumulation of an input gradient that several
     matmuls produced (dX = dQ @ Wq + dK @ Wk + dV @ Wv). The terms stay pending
@@ -257,14 +264,6 @@ class PendingSum:
 
     def compute_all(self, out: torch.Tensor) -> None:
         self.compute_rows(_all_rows, out)
-
-    def issue_standalone(self) -> None:
-        self.compute_all(self.out)
-        for sv in self.scatter_views:
-            sv.fill(self.out)
-
-    def unobserved(self) -> bool:
-        return _unobserved(self)
 
     def inputs(self) -> list[torch.Tensor]:
         return [t for term in self.terms for t in term.inputs()]

@@ -9,7 +9,6 @@ as real code (``reference``), which ``verify=True`` and the tests compare agains
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
