@@ -50,6 +50,7 @@ from eagertp.deferred import (
     PendingSum,
     Product,
     ScatterView,
+    storage_key,
     tensor_leaves,
 )
 from eagertp.patterns import AllGatherMatmulPlan, Plan, ReduceScatterPlan
@@ -541,9 +542,13 @@ def _is_metadata_only(func: torch._ops.OpOverload) -> bool:
 
 
 def _same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
-    """True if ``tensors`` are exactly the views ``expected`` (same storage layout)."""
+    """True if ``tensors`` are exactly the views ``expected``: the same storage,
+    offsets, shapes and strides."""
     return len(tensors) == len(expected) and all(
-        t.shape == e.shape and t.stride() == e.stride() and t.storage_offset() == e.storage_offset()
+        t.shape == e.shape
+        and t.stride() == e.stride()
+        and t.storage_offset() == e.storage_offset()
+        and storage_key(t) == storage_key(e)
         for t, e in zip(tensors, expected)
     )
 

@@ -474,3 +474,26 @@ def test_verify_names_op_shapes_and_difference(pool):
     from expecttest import assert_expected_inline
 
     assert_expected_inline(r0["error"], """eagertp verify: all_gather f32[4, 8] -> f32[8, 8] on group '2' (2 ranks) differs from plain eager on rank 0: max abs diff 1, max rel diff 1. Run with backend='reference' to take eagertp's pipeline out of the picture, and report this with the shapes above.""")
+
+
+def _cat_of_consumer_worker(rank, group):
+    """cat(y.chunk(W), 1) of a matmul output that shares its geometry with the
+    gather's own chunks must not be mistaken for a gathered view."""
+    x = integer_tensor((2, 4), torch.float32, seed=rank)
+    w = integer_tensor((4, 4), torch.float32, seed=3)  # y has the gathered tensor's shape
+
+    def program():
+        g = all_gather(x, group)
+        y = g @ w
+        return torch.cat(y.chunk(group.size()), 1)
+
+    expected = program()
+    with EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), "stats": dict(pipe.stats)}
+
+
+def test_cat_of_a_consumer_output_is_not_a_gathered_view(pool):
+    for r in pool.run(_cat_of_consumer_worker, 2):
+        assert r["ok"], r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}
