@@ -22,7 +22,10 @@ SHARD_ROWS = 3
 # Steps valid on a sharded activation, on a whole one, and on either.
 ON_SHARDED = ["gather", "gather_dim1"]
 ON_WHOLE = ["scatter", "scatter_dim1"]
-ANYWHERE = ["linear", "linear_bias", "qkv_sum", "relu", "view", "add_self", "read0", "read1", "flush0", "flush_both"]
+ANYWHERE = [
+    "linear", "linear_bias", "qkv_sum", "relu", "view", "add_self", "cat_batch", "cat_hidden",
+    "read0", "read1", "flush0", "flush_both",
+]
 
 
 @st.composite
@@ -71,6 +74,9 @@ def _run_program(rank, group, steps):
                 x = x.reshape(-1, WIDTH).view(x.shape)
             elif step == "add_self":
                 x = x + x
+            elif step in ("cat_batch", "cat_hidden"):  # funcol-like chunk + cat that changes nothing
+                dim = 0 if step == "cat_batch" else 2
+                x = torch.cat(x.chunk(2, dim), dim)
             elif step in ("read0", "read1"):
                 if rank == int(step[-1]):
                     x.sum().item()  # a read on one rank only
