@@ -203,13 +203,13 @@ class PendingMatmul(_Standalone):
         return f"{self.name}{via} -> ${self.tid}"
 
     def trace_event(self) -> tuple:
-        """``(render, *args)`` for ``Trace.event``: no tensors kept, formatted later."""
+        """``(render, *args)`` for ``Trace.event``: no tensors kept, formatted later.
+        Operands are gathered-view ids (ints) or shapes; all share ``out``'s dtype."""
         g = None if self.view is None else self.view.tid
-        a = g if self.a is None else Meta(self.a.dtype, self.a.shape)
-        b = g if self.b is None else Meta(self.b.dtype, self.b.shape)
-        bias = None if self.bias is None else Meta(self.bias.dtype, self.bias.shape)
-        out = Meta(self.out.dtype, self.out.shape)
-        return _render_matmul, self.tid, out, self.op, a, b, bias, self.operand is Operand.ROWS_T
+        a = g if self.a is None else self.a.shape
+        b = g if self.b is None else self.b.shape
+        bias = None if self.bias is None else self.bias.shape
+        return _render_matmul, self.tid, self.out.dtype, self.out.shape, self.op, a, b, bias, self.operand is Operand.ROWS_T
 
     def compute(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         """Plain eager on whole operands, into ``out``."""
@@ -276,17 +276,24 @@ RowSelect = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _render_matmul(
-    tid: int, out: Meta, op: torch._ops.OpOverload, a: int | Meta, b: int | Meta, bias: Meta | None, a_t: bool
+    tid: int,
+    dtype: torch.dtype,
+    out: torch.Size,
+    op: torch._ops.OpOverload,
+    a: int | torch.Size,
+    b: int | torch.Size,
+    bias: torch.Size | None,
+    a_t: bool,
 ) -> str:
     """``$3: f32[8, 6] = addmm(f32[6], $0, f32[16, 6])``: ints are gathered views."""
 
-    def operand(x: int | Meta) -> str:
-        return f"${x}" if isinstance(x, int) else tensor_str(x)
+    def operand(x: int | torch.Size) -> str:
+        return f"${x}" if isinstance(x, int) else tensor_str(Meta(dtype, x))
 
     operands = [operand(a) + (".t()" if a_t else ""), operand(b)]
     if bias is not None:
-        operands.insert(0, tensor_str(bias))
-    return f"${tid}: {tensor_str(out)} = {op.__name__.split('.')[0]}({', '.join(operands)})"
+        operands.insert(0, operand(bias))
+    return f"${tid}: {operand(out)} = {op.__name__.split('.')[0]}({', '.join(operands)})"
 
 
 def _all_rows(t: torch.Tensor) -> torch.Tensor:
@@ -379,10 +386,14 @@ class PendingStore:
 
     def add_product(self, product: Product) -> None:
         """A standalone matmul or sum (again, after a fused reduce-scatter took it out)."""
+        # NB: on the hot path (every deferred matmul): plain loops, no generators.
         self.items.append(product)
-        for t in (product.out, *(sv.tensor for sv in product.scatter_views)):
-            self._owner[storage_key(t)] = product
-        self._inputs.update(storage_key(t) for t in product.inputs())
+        owner, inputs = self._owner, self._inputs
+        owner[storage_key(product.out)] = product
+        for sv in product.scatter_views:
+            owner[storage_key(sv.tensor)] = product
+        for t in product.inputs():
+            inputs.add(storage_key(t))
 
     def add_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
         gather.consumers.append(mm)
@@ -430,7 +441,11 @@ class PendingStore:
 
     def touched(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
         """The first of ``tensors`` that is pending, if any."""
-        return next((t for t in tensors if storage_key(t) in self._owner), None)
+        owner = self._owner
+        for t in tensors:  # NB: on the hot path: a loop, not a generator
+            if t.untyped_storage()._cdata in owner:
+                return t
+        return None
 
     def is_input(self, t: torch.Tensor) -> bool:
         return storage_key(t) in self._inputs
