@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagertp._format import group_str, tensor_str
-from eagertp.backends import resolve_backend
+from eagertp.backends import BackendChoice
 from eagertp.backends.base import REDUCE_OPS
 from eagertp.deferred import (
     GatheredView,
@@ -107,9 +107,11 @@ class EagerMicroPipeline:
     Args:
         group: manage only collectives on this process group (e.g. the TP group,
             so FSDP's all-gathers pass through untouched). Default: every group.
-        backend: ``"auto"`` (currently ``"ring"``), ``"ring"`` (micro-pipeline over
-            point-to-point ops, any process group) or ``"reference"`` (plain
-            collective then matmul).
+        backend: ``"auto"`` (``"symm_mem"`` for CUDA tensors where torch's
+            symmetric-memory primitives exist, else ``"ring"``), ``"ring"``
+            (micro-pipeline over point-to-point ops, any process group),
+            ``"symm_mem"`` (CUDA symmetric memory; an error where it cannot run)
+            or ``"reference"`` (plain collective then matmul).
         verify: after each issued collective, recompute it unfused and raise
             ``VerificationError`` naming the op, shapes and difference if the
             results disagree, and first check that every rank issues the same
@@ -145,7 +147,7 @@ class EagerMicroPipeline:
         self.verify = verify
         self.poison = poison
         self.stats: collections.Counter[str] = collections.Counter()
-        self._backend = resolve_backend(backend)
+        self._backend = BackendChoice(backend)
         self._max_records = max_records
         self._trace = Trace(max_records=max_records)
         self._store = PendingStore()
@@ -252,7 +254,8 @@ class EagerMicroPipeline:
 
     def _issue(self, plan: Plan, unfused_reason: str) -> None:
         """Run one collective's plan on the backend and account for it."""
-        backend = self._backend
+        backend, note = self._backend.for_tensor(plan.buffer)
+        label = backend.name if note is None else f"{backend.name}; {note}"
         was_issuing, self._issuing = self._issuing, True
         try:
             # NB: placeholders are filled below autograd: tensors autograd saved for
@@ -270,11 +273,11 @@ class EagerMicroPipeline:
             self.stats[plan.name] += 1
             if isinstance(plan, AllGatherMatmulPlan):
                 self.stats["fused_matmuls"] += len(plan.gather.consumers)
-            self._trace.mark_fused(plan.record, plan.fused_with(), backend.name)
+            self._trace.mark_fused(plan.record, plan.fused_with(), label)
         else:
             self.stats[f"unfused_{plan.kind}"] += 1
-            self._trace.mark_unfused(plan.record, unfused_reason, backend.name)
-        self._trace.event(f"{plan.render()} [{backend.name}]")
+            self._trace.mark_unfused(plan.record, unfused_reason, label)
+        self._trace.event(f"{plan.render()} [{label}]")
 
     # -- deferral ----------------------------------------------------------
 

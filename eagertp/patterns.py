@@ -56,6 +56,11 @@ class AllGatherMatmulPlan:
     def group(self) -> dist.ProcessGroup:
         return self.gather.group
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """A tensor of the collective (its device picks the backend)."""
+        return self.gather.shard
+
     def fused_with(self) -> list[str]:
         return [mm.describe() for mm in self.gather.consumers]
 
@@ -144,6 +149,11 @@ class ReduceScatterPlan:
     @property
     def fused(self) -> bool:
         return self.product is not None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """A tensor of the collective (its device picks the backend)."""
+        return self.out
 
     def fused_with(self) -> list[str]:
         assert self.product is not None, "an unfused reduce-scatter fused with nothing"

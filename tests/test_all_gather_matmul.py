@@ -453,7 +453,7 @@ def _verify_worker(rank, group, corrupt):
     expected = all_gather(x, group) @ w
     pipe = EagerMicroPipeline(verify=True)
     if corrupt:
-        pipe._backend = CorruptingRing()
+        pipe._backend._instances["ring"] = CorruptingRing()  # what "auto" picks for CPU tensors
     try:
         with pipe:
             y = all_gather(x, group) @ w

@@ -13,7 +13,7 @@ from eagertp import EagerMicroPipeline
 
 def test_public_names():
     assert eagertp.__all__ == ["BACKENDS", "Backend", "EagerMicroPipeline", "VerificationError"]
-    assert sorted(eagertp.BACKENDS) == ["reference", "ring"]
+    assert sorted(eagertp.BACKENDS) == ["reference", "ring", "symm_mem"]
 
 
 def test_unknown_backend_lists_valid_names():
@@ -21,13 +21,20 @@ def test_unknown_backend_lists_valid_names():
         EagerMicroPipeline(backend="nccl")
     assert_expected_inline(
         str(e.value),
-        """EagerMicroPipeline: unknown backend 'nccl'; valid names: 'auto', 'ring', 'reference'""",
+        """EagerMicroPipeline: unknown backend 'nccl'; valid names: 'auto', 'ring', 'reference', 'symm_mem'""",
     )
 
 
-def test_auto_backend_is_ring():
-    assert EagerMicroPipeline().backend == "ring"
+def test_backend_names():
+    assert EagerMicroPipeline().backend == "auto"
     assert EagerMicroPipeline(backend="reference").backend == "reference"
+
+
+def test_auto_serves_cpu_tensors_with_the_ring():
+    from eagertp.backends import BackendChoice
+
+    backend, note = BackendChoice("auto").for_tensor(torch.ones(1))
+    assert backend.name == "ring" and note is None
 
 
 def test_group_must_be_a_process_group():

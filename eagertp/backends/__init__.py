@@ -27,35 +27,59 @@ collective alone interoperates with a peer that fuses it.
 
 from __future__ import annotations
 
+import torch
+
 from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.backends.ring import RingBackend
+from eagertp.backends import symm_mem
+from eagertp.backends.symm_mem import SymmMemBackend
 
-__all__ = ["BACKENDS", "Backend", "ChunkConsumer", "ChunkProducer", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "BackendChoice", "ChunkConsumer", "ChunkProducer"]
 
 BACKENDS: dict[str, type[Backend]] = {
     "ring": RingBackend,
     "reference": ReferenceBackend,
+    "symm_mem": SymmMemBackend,
 }
 
 
-def resolve_backend(name: str) -> Backend:
-    """The backend for ``EagerMicroPipeline(backend=name)``.
+class BackendChoice:
+    """``EagerMicroPipeline(backend=name)``: which backend serves each collective.
 
-    ``"auto"`` is ``ring``: it runs on every process group (gloo on CPU, NCCL).
+    ``"auto"`` picks ``symm_mem`` for CUDA tensors where torch's symmetric-memory
+    primitives exist, and ``ring`` otherwise (every process group: gloo on CPU,
+    NCCL). The choice depends on the device and the torch build only, so every
+    rank makes the same one (Invariant 2).
     """
-    if not isinstance(name, str):
-        raise TypeError(
-            f"EagerMicroPipeline(backend=...) takes a backend name, got "
-            f"{type(name).__name__}; valid names: {_valid_names()}"
-        )
-    if name == "auto":
-        name = "ring"
-    if name not in BACKENDS:
-        raise ValueError(
-            f"EagerMicroPipeline: unknown backend {name!r}; valid names: {_valid_names()}"
-        )
-    return BACKENDS[name]()
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"EagerMicroPipeline(backend=...) takes a backend name, got "
+                f"{type(name).__name__}; valid names: {_valid_names()}"
+            )
+        if name != "auto" and name not in BACKENDS:
+            raise ValueError(f"EagerMicroPipeline: unknown backend {name!r}; valid names: {_valid_names()}")
+        self.name = name
+        self._instances = {key: cls() for key, cls in BACKENDS.items()}
+
+    def for_tensor(self, t: torch.Tensor) -> tuple[Backend, str | None]:
+        """The backend for a collective on ``t``, and a note for ``explain()``
+        when ``auto`` could not use symmetric memory on CUDA."""
+        if self.name == "auto":
+            why_not = symm_mem.unavailable_reason(t)
+            if why_not is None:
+                return self._instances["symm_mem"], None
+            return self._instances["ring"], (f"symm_mem unavailable: {why_not}" if t.is_cuda else None)
+        if self.name == "symm_mem":
+            why_not = symm_mem.unavailable_reason(t)
+            if why_not is not None:
+                raise ValueError(
+                    f"EagerMicroPipeline(backend='symm_mem') cannot serve this collective: {why_not}. "
+                    f"Use backend='ring' (any process group) or backend='auto' (symm_mem where it works)."
+                )
+        return self._instances[self.name], None
 
 
 def _valid_names() -> str:

@@ -1,0 +1,113 @@
+"""CUDA symmetric memory: torch's own micro-pipelined primitives, on the fly.
+
+The primitives Inductor's micro-pipeline TP pass lowers to take per-chunk
+callbacks and output buffers, so eagertp's consumers and producers plug in
+directly and the placeholders are written in place::
+
+    _pipelined_all_gather_and_consume(shard, shard_consumer, ag_out, group_name)
+    _pipelined_produce_and_all2all(chunk_producer, output, group_name)
+
+Both are private to torch and may move between releases: ``unavailable_reason``
+detects them (and CUDA) and says why this backend cannot serve a collective,
+so that ``backend="auto"`` falls back to the ring with that reason and
+``backend="symm_mem"`` raises it.
+
+The reduce-scatter gathers every rank's contribution to this rank's chunk
+(all-to-all of produced chunks) and reduces locally, as torch's
+``_fused_matmul_reduce_scatter_impl`` does: W chunk-sized buffers instead of the
+ring's 3.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from eagertp.backends.base import ChunkConsumer, ChunkProducer, check_gather_buffers, check_scatter_buffers
+
+_PRIMITIVES = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all")
+
+
+def _symm_mem_module():
+    try:
+        return importlib.import_module("torch.distributed._symmetric_memory")
+    except ImportError:
+        return None
+
+
+def unavailable_reason(t: torch.Tensor) -> str | None:
+    """Why the symm_mem backend cannot serve a collective on ``t``, or None."""
+    if t.device.type != "cuda":
+        return f"symmetric memory needs CUDA tensors, this collective's are on {t.device.type}"
+    module = _symm_mem_module()
+    if module is None:
+        return "this torch has no torch.distributed._symmetric_memory"
+    missing = [name for name in _PRIMITIVES if not hasattr(module, name)]
+    if missing:
+        return f"this torch ({torch.__version__}) lacks {', '.join(missing)} in torch.distributed._symmetric_memory"
+    return None
+
+
+class SymmMemBackend:
+    """torch's pipelined symmetric-memory primitives with eagertp's callbacks."""
+
+    name = "symm_mem"
+
+    def all_gather_consume(
+        self,
+        shard: torch.Tensor,
+        consumer: ChunkConsumer | None,
+        ag_out: torch.Tensor,
+        group: dist.ProcessGroup,
+    ) -> None:
+        check_gather_buffers(shard, ag_out, group)
+        rows = slice(0, shard.shape[0])
+
+        def shard_consumer(chunk: torch.Tensor, src: int) -> None:
+            if consumer is not None:
+                consumer(chunk, src, rows)
+
+        # NB: with no consumer this is the same protocol (Invariant 2).
+        _symm_mem_module()._pipelined_all_gather_and_consume(shard, shard_consumer, ag_out, group.group_name)
+
+    def produce_reduce_scatter(
+        self,
+        producer: ChunkProducer,
+        out: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduce_op: str,
+    ) -> None:
+        check_scatter_buffers(out, group, reduce_op)
+        world = group.size()
+        # stacked[i]: rank i's contribution to this rank's chunk
+        stacked = out.new_empty((world, *out.shape))
+        _symm_mem_module()._pipelined_produce_and_all2all(
+            producer, stacked.view(world * out.shape[0], *out.shape[1:]), group.group_name
+        )
+        _REDUCE[reduce_op](stacked, out)
+
+
+def _sum(stacked: torch.Tensor, out: torch.Tensor) -> None:
+    torch.sum(stacked, dim=0, out=out)
+
+
+def _avg(stacked: torch.Tensor, out: torch.Tensor) -> None:
+    torch.sum(stacked, dim=0, out=out)
+    out.div_(stacked.shape[0])
+
+
+def _max(stacked: torch.Tensor, out: torch.Tensor) -> None:
+    torch.amax(stacked, dim=0, out=out)
+
+
+def _min(stacked: torch.Tensor, out: torch.Tensor) -> None:
+    torch.amin(stacked, dim=0, out=out)
+
+
+def _product(stacked: torch.Tensor, out: torch.Tensor) -> None:
+    torch.prod(stacked, dim=0, out=out)
+
+
+_REDUCE = {"sum": _sum, "avg": _avg, "max": _max, "min": _min, "product": _product}

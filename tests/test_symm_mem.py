@@ -1,0 +1,113 @@
+"""The symm_mem backend's plumbing, on CPU.
+
+torch's symmetric-memory primitives need CUDA. Here they are replaced, in the
+worker only, by CPU versions with the semantics their docstrings state
+(all-gather then consume each shard; produce each chunk then all-to-all), so
+that argument order, buffers, callbacks, gather/scatter dims and the local
+reduction of the backend run for real. Selected by ``-k symm_mem``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from expecttest import assert_expected_inline
+from helpers import OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter
+
+from eagertp import EagerMicroPipeline
+
+
+def _cpu_pipelined_all_gather_and_consume(shard, shard_consumer, ag_out, group_name, ag_out_needed=True):
+    """``_pipelined_all_gather_and_consume``'s documented semantics, on gloo."""
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    dist.all_gather_into_tensor(ag_out, shard, group=group)
+    for src, chunk in enumerate(ag_out.chunk(group.size())):
+        shard_consumer(chunk, src)
+
+
+def _cpu_pipelined_produce_and_all2all(chunk_producer, output, group_name, out_chunk_dim=0):
+    """``_pipelined_produce_and_all2all``'s documented semantics, on gloo."""
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    world = group.size()
+    chunks = [torch.empty_like(c) for c in output.chunk(world, dim=out_chunk_dim)]
+    for dst, chunk in enumerate(chunks):
+        chunk_producer(dst, chunk)
+    dist.all_to_all(list(output.chunk(world, dim=out_chunk_dim)), chunks, group=group)
+
+
+def with_cpu_symm_mem(rank, group, worker, *args):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from eagertp.backends import symm_mem as backend
+
+    saved = (
+        symm_mem._pipelined_all_gather_and_consume,
+        symm_mem._pipelined_produce_and_all2all,
+        backend.unavailable_reason,
+    )
+    symm_mem._pipelined_all_gather_and_consume = _cpu_pipelined_all_gather_and_consume
+    symm_mem._pipelined_produce_and_all2all = _cpu_pipelined_produce_and_all2all
+    backend.unavailable_reason = lambda t: None  # CPU tensors welcome, in this test only
+    try:
+        return worker(rank, group, *args)
+    finally:
+        (
+            symm_mem._pipelined_all_gather_and_consume,
+            symm_mem._pipelined_produce_and_all2all,
+            backend.unavailable_reason,
+        ) = saved
+
+
+def _mlp_worker(rank, group, gather_dim, reduce_op):
+    import torch.nn.functional as F
+
+    x = integer_tensor((2, 3, 8), torch.float32, seed=rank)
+    w1 = integer_tensor((6, 8), torch.float32, seed=1)
+    b1 = integer_tensor((6,), torch.float32, seed=2)
+    w2 = integer_tensor((8, 6), torch.float32, seed=3 + rank)
+
+    def program():
+        g = all_gather(x, group, gather_dim)
+        h = F.linear(g, w1, b1)
+        wgrad = g.reshape(-1, 8).t() @ h.reshape(-1, 6)  # contraction over the gathered rows
+        y = reduce_scatter(F.linear(torch.relu(h), w2), group, reduce_op, gather_dim)
+        return y, wgrad
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline(backend="symm_mem") as pipe:
+        got = program()
+    return {
+        "ok": [torch.equal(g, e) for g, e in zip(got, expected)],
+        "explain": pipe.explain(),
+        **fusion_report(pipe, counter),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("gather_dim", [0, 1], ids=["dim0", "dim1"])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg", "max"])
+def test_symm_mem_backend_fuses_both_directions(pool, world, gather_dim, reduce_op):
+    results = pool.run(with_cpu_symm_mem, world, _mlp_worker, gather_dim, reduce_op)
+    for r in results:
+        assert all(r["ok"]), r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1, "matmul_reduce_scatter": 1}, r
+        assert r["p2p_ops"] == 0, "symm_mem moves the data, not the ring"
+    if world == 2 and gather_dim == 0 and reduce_op == "sum":
+        assert_expected_inline(results[0]["explain"], """\
+all_gather #0 f32[2, 3, 8] -> f32[4, 3, 8] on group '2' (2 ranks): fused with addmm -> $1 [symm_mem]
+reduce_scatter(sum) #0 f32[4, 3, 8] -> f32[2, 3, 8] on group '2' (2 ranks): fused with mm -> $3 [symm_mem]""")
+
+
+def _cpu_tensors_worker(rank, group):
+    try:
+        with EagerMicroPipeline(backend="symm_mem"):
+            all_gather(torch.ones(2, 4), group) @ torch.ones(4, 3)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_symm_mem_backend_on_cpu_tensors_says_why_and_what_to_use(pool):
+    msg, _ = pool.run(_cpu_tensors_worker, 2)
+    assert_expected_inline(msg, """EagerMicroPipeline(backend='symm_mem') cannot serve this collective: symmetric memory needs CUDA tensors, this collective's are on cpu. Use backend='ring' (any process group) or backend='auto' (symm_mem where it works).""")
