@@ -171,6 +171,22 @@ class _Standalone:
 
 
 @dataclasses.dataclass(eq=False, slots=True)
+class Scaled:
+    """The FP8 part of ``aten._scaled_mm(A, B, scale_a, scale_b, bias,
+    scale_result, out_dtype, use_fast_accum)``. ``scale_a`` is tensor-wise (one
+    element) or row-wise ([M, 1]: selected with A's rows)."""
+
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    scale_result: torch.Tensor | None = None
+    out_dtype: torch.dtype | None = None
+    use_fast_accum: bool = False
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.scale_a, self.scale_b, self.scale_result) if t is not None]
+
+
+@dataclasses.dataclass(eq=False, slots=True)
 class PendingMatmul(_Standalone):
     """``out = addmm(bias, a, b, beta=beta, alpha=alpha)``, or ``mm(a, b)`` when
     ``bias`` is None, not yet computed.
@@ -193,6 +209,10 @@ class PendingMatmul(_Standalone):
     scatter_views: list[ScatterView] = dataclasses.field(default_factory=list)
     # A term of a pending sum: once the sum is produced, nothing may read it.
     absorbed: bool = False
+    scaled: Scaled | None = None  # aten._scaled_mm (FP8)
+    # The dtype the matmul reads the gathered operand as: float8 training gathers
+    # uint8 and views the result back (a type-erased all-gather).
+    gathered_dtype: torch.dtype | None = None
 
     @property
     def name(self) -> str:
@@ -209,30 +229,62 @@ class PendingMatmul(_Standalone):
         a = g if self.a is None else self.a.shape
         b = g if self.b is None else self.b.shape
         bias = None if self.bias is None else self.bias.shape
-        return _render_matmul, self.tid, self.out.dtype, self.out.shape, self.op, a, b, bias, self.operand is Operand.ROWS_T
+        in_dtype = (self.b if self.b is not None else self.a).dtype
+        return (
+            _render_matmul, self.tid, in_dtype, self.out.dtype, self.out.shape, self.op, a, b, bias,
+            self.operand is Operand.ROWS_T,
+        )
 
-    def compute(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        """Plain eager on whole operands, into ``out``."""
-        if self.bias is None:
+    def compute(
+        self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, select: RowSelect | None = None
+    ) -> None:
+        """Plain eager on ``a`` and ``b``, into ``out``. ``a`` may be some rows of
+        the matmul's A, picked by ``select``, which then picks the same rows of
+        everything indexed by A's rows (addmm's broadcast bias, a row-wise
+        ``scale_a``)."""
+        if self.scaled is not None:
+            sc = self.scaled
+            scale_a = sc.scale_a if select is None or sc.scale_a.numel() == 1 else select(sc.scale_a)
+            torch._scaled_mm(
+                a, b, scale_a, sc.scale_b, bias=self.bias, scale_result=sc.scale_result,
+                out_dtype=sc.out_dtype, use_fast_accum=sc.use_fast_accum, out=out,
+            )
+        elif self.bias is None:
             torch.mm(a, b, out=out)
         else:
-            torch.addmm(self.bias, a, b, beta=self.beta, alpha=self.alpha, out=out)
+            bias = self.bias if select is None else select(self.bias.expand(self.out.shape))
+            torch.addmm(bias, a, b, beta=self.beta, alpha=self.alpha, out=out)
 
     def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
         """``out = select(self)``: the selected rows of this standalone matmul."""
         assert self.a is not None and self.b is not None, "a gather consumer has no rows of its own"
-        if self.bias is None:
-            torch.mm(select(self.a), self.b, out=out)
+        self.compute(select(self.a), self.b, out, select)
+
+    def compute_cols(self, cols: slice, out: torch.Tensor) -> None:
+        """``out = self[:, cols]``: some output columns (B's columns, and the
+        bias's and a row-wise ``scale_b``'s with them)."""
+        assert self.a is not None and self.b is not None, "a gather consumer has no columns of its own"
+        b = self.b[:, cols]
+        if self.scaled is not None:
+            sc = self.scaled
+            scale_b = sc.scale_b if sc.scale_b.numel() == 1 else sc.scale_b[:, cols]
+            torch._scaled_mm(
+                self.a, b, sc.scale_a, scale_b, bias=None if self.bias is None else self.bias[cols],
+                scale_result=sc.scale_result, out_dtype=sc.out_dtype, use_fast_accum=sc.use_fast_accum, out=out,
+            )
+        elif self.bias is None:
+            torch.mm(self.a, b, out=out)
         else:
-            bias = select(self.bias.expand(self.out.shape))
-            torch.addmm(bias, select(self.a), self.b, beta=self.beta, alpha=self.alpha, out=out)
+            bias = self.bias.expand(self.out.shape)[:, cols]
+            torch.addmm(bias, self.a, b, beta=self.beta, alpha=self.alpha, out=out)
 
     def compute_all(self, out: torch.Tensor) -> None:
         assert self.a is not None and self.b is not None, "a gather consumer is issued by its gather"
         self.compute(self.a, self.b, out)
 
     def inputs(self) -> list[torch.Tensor]:
-        return [t for t in (self.a, self.b, self.bias) if t is not None]
+        scaled = [] if self.scaled is None else self.scaled.tensors()
+        return [t for t in (self.a, self.b, self.bias, *scaled) if t is not None]
 
 
 @dataclasses.dataclass(eq=False)
@@ -262,6 +314,13 @@ class PendingSum(_Standalone):
             term.compute_rows(select, part)
             out.add_(part)
 
+    def compute_cols(self, cols: slice, out: torch.Tensor) -> None:
+        self.terms[0].compute_cols(cols, out)
+        for term in self.terms[1:]:
+            part = torch.empty_like(out)
+            term.compute_cols(cols, part)
+            out.add_(part)
+
     def compute_all(self, out: torch.Tensor) -> None:
         self.compute_rows(_all_rows, out)
 
@@ -277,7 +336,8 @@ RowSelect = Callable[[torch.Tensor], torch.Tensor]
 
 def _render_matmul(
     tid: int,
-    dtype: torch.dtype,
+    in_dtype: torch.dtype,
+    out_dtype: torch.dtype,
     out: torch.Size,
     op: torch._ops.OpOverload,
     a: int | torch.Size,
@@ -287,13 +347,13 @@ def _render_matmul(
 ) -> str:
     """``$3: f32[8, 6] = addmm(f32[6], $0, f32[16, 6])``: ints are gathered views."""
 
-    def operand(x: int | torch.Size) -> str:
+    def operand(x: int | torch.Size, dtype: torch.dtype) -> str:
         return f"${x}" if isinstance(x, int) else tensor_str(Meta(dtype, x))
 
-    operands = [operand(a) + (".t()" if a_t else ""), operand(b)]
+    operands = [operand(a, in_dtype) + (".t()" if a_t else ""), operand(b, in_dtype)]
     if bias is not None:
-        operands.insert(0, operand(bias))
-    return f"${tid}: {operand(out)} = {op.__name__.split('.')[0]}({', '.join(operands)})"
+        operands.insert(0, operand(bias, out_dtype))
+    return f"${tid}: {operand(out, out_dtype)} = {op.__name__.split('.')[0]}({', '.join(operands)})"
 
 
 def _all_rows(t: torch.Tensor) -> torch.Tensor:

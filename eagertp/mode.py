@@ -49,6 +49,7 @@ from eagertp.deferred import (
     PendingStore,
     PendingSum,
     Product,
+    Scaled,
     ScatterView,
     storage_key,
     tensor_leaves,
@@ -281,11 +282,11 @@ class EagerMicroPipeline:
 
     # -- deferral ----------------------------------------------------------
 
-    def _placeholder(self, like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    def _placeholder(self, like: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None) -> torch.Tensor:
         """A buffer that the pending work fills before anything can read it; with
         ``poison=True`` it starts as NaN (integers: the dtype's max) so a bug that
         let an unfilled one escape shows up in the results."""
-        out = like.new_empty(shape)
+        out = like.new_empty(shape, dtype=dtype or like.dtype)
         if self.poison:
             out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
         return out
@@ -316,16 +317,18 @@ class EagerMicroPipeline:
         a: torch.Tensor,
         b: torch.Tensor,
         bias: torch.Tensor | None = None,
+        scaled: Scaled | None = None,
     ) -> torch.Tensor:
         """Defer a matmul: as a consumer of the pending gather it reads, or
         standalone (a reduce-scatter may follow: Note [Deferral boundary])."""
-        if _matmul_shape_error(a, b, bias):
+        out_dtype = _matmul_out_dtype(a, b, bias, scaled)
+        if out_dtype is None:
             if self._store:
                 self._flush_if_needed(func, args, kwargs)
             return func(*args, **kwargs)  # plain eager raises its own error
         gather, view, operand = None, None, None
         if self._store:
-            gather, view, operand, why_not = self._match_gather_operand(a, b, bias)
+            gather, view, operand, why_not = self._match_gather_operand(a, b, bias, scaled)
             if why_not is not None:
                 self._flush(f"{func} {why_not}")
             elif gather is None:
@@ -334,13 +337,15 @@ class EagerMicroPipeline:
             func,
             None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,
             None if operand is Operand.B_ROWS else b,
-            self._placeholder(a, (a.shape[0], b.shape[1])),
+            self._placeholder(a, (a.shape[0], b.shape[1]), out_dtype),
             self._store.next_tid(),
             bias,
             beta=kwargs.get("beta", 1),
             alpha=kwargs.get("alpha", 1),
             operand=operand,
             view=view,
+            scaled=scaled,
+            gathered_dtype=None if view is None or operand is Operand.B_ROWS else a.dtype,
         )
         if gather is None:
             self._store.add_product(mm)
@@ -350,7 +355,7 @@ class EagerMicroPipeline:
         return mm.out
 
     def _match_gather_operand(
-        self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+        self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scaled: Scaled | None = None
     ) -> tuple[PendingGather | None, GatheredView | None, Operand | None, str | None]:
         """Which pending gather a matmul consumes and how, or why it cannot."""
         found_a, found_b = self._store.gathered_view_of(a), self._store.gathered_view_of(b)
@@ -362,6 +367,10 @@ class EagerMicroPipeline:
         g = a if found_a is not None else b
         if g.numel() == 0:
             return None, None, None, "reads an empty gathered tensor: there is nothing to overlap"
+        if g.element_size() != view.tensor.element_size():
+            return None, None, None, (
+                f"reads the gathered {tensor_str(view.tensor)} as {tensor_str(g)}, another element size"
+            )
         if found_a is not None and view.is_rows(a):
             operand = Operand.ROWS
         elif found_a is not None and view.is_rows(a.t()):
@@ -375,7 +384,11 @@ class EagerMicroPipeline:
                 f"reads the gathered tensor (gather dim {view.dim}) as {tensor_str(g)} with strides "
                 f"{g.stride()}, which does not split into per-rank blocks"
             )
-        others = [t for t in (a, b, bias) if t is not None and t is not g]
+        if scaled is not None and operand is not Operand.ROWS:
+            return None, None, None, f"is a scaled (FP8) matmul reading the gathered tensor as {operand.value}: only A rows fuse"
+        if g.dtype != view.tensor.dtype and operand is not Operand.ROWS:
+            return None, None, None, f"reads the gathered {tensor_str(view.tensor)} as {g.dtype} in a contraction"
+        others = [t for t in (a, b, bias, *([] if scaled is None else scaled.tensors())) if t is not None and t is not g]
         if self._store.touched(others) is not None:
             return None, None, None, "has a second pending operand"
         return gather, view, operand, None
@@ -556,19 +569,37 @@ def _same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor
     )
 
 
-def _matmul_shape_error(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """True if plain mm/addmm would reject these operands (then it should say why)."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or b.dtype != a.dtype or b.device != a.device:
-        return True
+def _matmul_out_dtype(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scaled: Scaled | None
+) -> torch.dtype | None:
+    """The output dtype of the matmul, or None if plain eager would reject these
+    operands (then it should run, and say why)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or b.device != a.device:
+        return None
+    if scaled is not None:
+        # FP8 rules (dtypes, layouts, scale shapes) are many: ask the meta kernel.
+        try:
+            meta = torch._scaled_mm(
+                *(t.to("meta") for t in (a, b, scaled.scale_a, scaled.scale_b)),
+                bias=None if bias is None else bias.to("meta"),
+                scale_result=None if scaled.scale_result is None else scaled.scale_result.to("meta"),
+                out_dtype=scaled.out_dtype,
+                use_fast_accum=scaled.use_fast_accum,
+            )
+        except (RuntimeError, ValueError, NotImplementedError):
+            return None
+        return meta.dtype
+    if b.dtype != a.dtype:
+        return None
     if bias is None:
-        return False
+        return a.dtype
     if bias.dtype != a.dtype or bias.device != a.device:
-        return True
+        return None
     out_shape = (a.shape[0], b.shape[1])
     try:
-        return torch.broadcast_shapes(bias.shape, out_shape) != out_shape
+        return a.dtype if torch.broadcast_shapes(bias.shape, out_shape) == out_shape else None
     except RuntimeError:
-        return True
+        return None
 
 
 def _resolve_group(group_name: Any) -> dist.ProcessGroup:
@@ -787,3 +818,20 @@ def _mm(p: EagerMicroPipeline, func, args, kwargs):
 def _addmm(p: EagerMicroPipeline, func, args, kwargs):
     bias, a, b = args
     return p._defer_matmul(func, args, kwargs, a, b, bias)
+
+
+_SCALED_MM_ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
+
+
+@_register([aten._scaled_mm.default])
+def _scaled_mm(p: EagerMicroPipeline, func, args, kwargs):
+    """FP8 linears (float8 training): fused like mm, the scales riding along."""
+    bound = {**dict(zip(_SCALED_MM_ARGS, args)), **kwargs}
+    scaled = Scaled(
+        bound["scale_a"],
+        bound["scale_b"],
+        bound.get("scale_result"),
+        bound.get("out_dtype"),
+        bool(bound.get("use_fast_accum", False)),
+    )
+    return p._defer_matmul(func, args, kwargs, bound["self"], bound["mat2"], bound.get("bias"), scaled)

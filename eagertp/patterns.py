@@ -188,6 +188,16 @@ class ReduceScatterPlan:
             def select_for(c: int) -> RowSelect:
                 return lambda t: t[c * m : (c + 1) * m]
 
+        elif sv.dim == len(sv.shape) - 1:
+            # Scattering the output's columns: chunk c is out[:, block c], made
+            # from B's columns (as torch's fused op does for the last dim).
+            block = n // sv.world
+
+            def produce(c: int, buf: torch.Tensor) -> None:
+                product.compute_cols(slice(c * block, (c + 1) * block), buf.view(-1, block))
+
+            return produce
+
         else:
             # Chunk c holds the rows of out.view(sv.shape) whose index along
             # sv.dim lies in block c: select the same rows of every operand.
@@ -259,18 +269,15 @@ def _chunk_step(mm: PendingMatmul, whole: torch.Tensor) -> ChunkConsumer:
 
 def _rows_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
     """ROWS: out[R] = G[R] @ B for the rows R the piece makes (disjoint writes)."""
-    m, n = mm.out.shape
+    n = mm.out.shape[1]
     c = mm.b.shape[0]
-    bias = None if mm.bias is None else mm.bias.expand(m, n)  # as addmm broadcasts
     lead = view.tensor.shape[:-1]
 
     def rows_part(piece: torch.Tensor, src: int, rows: slice) -> None:
-        g = piece.reshape(-1, c)
+        g = piece.view(mm.gathered_dtype or piece.dtype).reshape(-1, c)
         out = view.rows_of(mm.out, src, rows) if view.dim == 0 else None  # contiguous rows
-        if bias is None:
-            res = torch.mm(g, mm.b, out=out)
-        else:
-            res = torch.addmm(view.rows_of(bias, src, rows), g, mm.b, beta=mm.beta, alpha=mm.alpha, out=out)
+        res = torch.empty((g.shape[0], n), dtype=mm.out.dtype, device=g.device) if out is None else out
+        mm.compute(g, mm.b, res, lambda t: view.rows_of(t, src, rows))
         if out is None:  # rows R are strided in mm.out: place them
             out_rows = mm.out.view(*lead, n).narrow(view.dim, src * view.block, view.block)[rows]
             out_rows.copy_(res.view(out_rows.shape))
@@ -320,6 +327,7 @@ def _accumulate_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
 
 def _whole_operands(mm: PendingMatmul, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The operands plain eager multiplies, given the whole gathered view."""
+    gathered = gathered.view(mm.gathered_dtype or gathered.dtype)
     if mm.operand is Operand.B_ROWS:
         return mm.a, gathered.reshape(mm.a.shape[1], -1)
     if mm.operand is Operand.ROWS_T:

@@ -65,6 +65,18 @@ def test_scatter_dims_above_zero_fuse(pool, world, in_shape, scatter_dim, bias):
         _assert_fused(r)
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("in_shape", [(4, 8), (2, 4, 8)], ids=["2d", "3d"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_scatter_along_the_output_columns_fuses(pool, world, in_shape, bias):
+    """Scattering the last dim: chunk c is out[..., block c], produced from B's
+    (and the bias's) columns."""
+    scatter_dim = len(in_shape) - 1
+    for rank, r in enumerate(pool.run(_rs_worker, world, in_shape, 8, "f32", "sum", bias, True, scatter_dim)):
+        assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
+        _assert_fused(r)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_matmul_reduce_scatter_random_inputs_close(pool, dtype):
     for r in pool.run(_rs_worker, 2, (16, 64), 32, dtype, "sum", True, False):
