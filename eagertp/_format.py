@@ -15,6 +15,8 @@ _DTYPE_ABBREVIATIONS = {
     torch.int8: "i8",
     torch.uint8: "u8",
     torch.bool: "b8",
+    torch.float8_e4m3fn: "f8e4m3",
+    torch.float8_e5m2: "f8e5m2",
 }
 
 

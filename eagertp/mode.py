@@ -321,11 +321,15 @@ class EagerMicroPipeline:
     ) -> torch.Tensor:
         """Defer a matmul: as a consumer of the pending gather it reads, or
         standalone (a reduce-scatter may follow: Note [Deferral boundary])."""
-        out_dtype = _matmul_out_dtype(a, b, bias, scaled)
+        out_dtype, rejected = _matmul_out_dtype(a, b, bias, scaled)
         if out_dtype is None:
-            if self._store:
+            # Plain eager raises its own error, or (FP8 shapes the meta kernel's
+            # stricter rules reject) runs it: unfused, and explain() says why.
+            if self._store and self._store.touched(tensor_leaves(args, kwargs)) is not None:
+                self._flush(Reason("{} reads it with operands that do not defer ({})", func, rejected))
+            elif self._store:
                 self._flush_if_needed(func, args, kwargs)
-            return func(*args, **kwargs)  # plain eager raises its own error
+            return func(*args, **kwargs)
         gather, view, operand = None, None, None
         if self._store:
             gather, view, operand, why_not = self._match_gather_operand(a, b, bias, scaled)
@@ -571,13 +575,14 @@ def _same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor
 
 def _matmul_out_dtype(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scaled: Scaled | None
-) -> torch.dtype | None:
-    """The output dtype of the matmul, or None if plain eager would reject these
-    operands (then it should run, and say why)."""
+) -> tuple[torch.dtype | None, str]:
+    """The output dtype of the matmul, or None and why if these operands do not
+    defer (plain eager rejects them, or, for FP8, its meta kernel does)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or b.device != a.device:
-        return None
+        return None, f"{tensor_str(a)} @ {tensor_str(b)}"
     if scaled is not None:
-        # FP8 rules (dtypes, layouts, scale shapes) are many: ask the meta kernel.
+        # FP8 rules (dtypes, layouts, scale shapes, alignment) are many: ask the
+        # meta kernel, which applies CUDA's (stricter than CPU's).
         try:
             meta = torch._scaled_mm(
                 *(t.to("meta") for t in (a, b, scaled.scale_a, scaled.scale_b)),
@@ -586,20 +591,20 @@ def _matmul_out_dtype(
                 out_dtype=scaled.out_dtype,
                 use_fast_accum=scaled.use_fast_accum,
             )
-        except (RuntimeError, ValueError, NotImplementedError):
-            return None
-        return meta.dtype
-    if b.dtype != a.dtype:
-        return None
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            return None, f"_scaled_mm's meta kernel: {str(e).splitlines()[0]}"
+        return meta.dtype, ""
+    if b.dtype != a.dtype or (bias is not None and (bias.dtype != a.dtype or bias.device != a.device)):
+        return None, "mixed dtypes or devices"
     if bias is None:
-        return a.dtype
-    if bias.dtype != a.dtype or bias.device != a.device:
-        return None
+        return a.dtype, ""
     out_shape = (a.shape[0], b.shape[1])
     try:
-        return a.dtype if torch.broadcast_shapes(bias.shape, out_shape) == out_shape else None
+        if torch.broadcast_shapes(bias.shape, out_shape) == out_shape:
+            return a.dtype, ""
     except RuntimeError:
-        return None
+        pass
+    return None, f"bias {tensor_str(bias)} does not broadcast to {list(out_shape)}"
 
 
 def _resolve_group(group_name: Any) -> dist.ProcessGroup:
