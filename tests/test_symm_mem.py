@@ -111,3 +111,40 @@ def _cpu_tensors_worker(rank, group):
 def test_symm_mem_backend_on_cpu_tensors_says_why_and_what_to_use(pool):
     msg, _ = pool.run(_cpu_tensors_worker, 2)
     assert_expected_inline(msg, """EagerMicroPipeline(backend='symm_mem') cannot serve this collective: symmetric memory needs CUDA tensors, this collective's are on cpu. Use backend='ring' (any process group) or backend='auto' (symm_mem where it works).""")
+
+
+def _workspace_error_worker(rank, group):
+    """torch's own error (here: the workspace cannot grow during CUDA graph
+    capture) reaches the user with the collective named and torch's fix intact."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    def capturing(shard, shard_consumer, ag_out, group_name, ag_out_needed=True):
+        raise RuntimeError(
+            "get_symm_mem_workspace(): the requested size (64 bytes) is greater than the size of the "
+            "currently allocated workspace (0 bytes). It's currently not possible to expand the workspace "
+            "size during graph capture. Please invoke `get_symm_mem_workspace(...)` before initiating the "
+            "graph capture and try again."
+        )
+
+    symm_mem._pipelined_all_gather_and_consume = capturing
+    try:
+        with EagerMicroPipeline(backend="symm_mem"):
+            all_gather(torch.ones(2, 4), group) @ torch.ones(4, 3)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_symm_mem_surfaces_torch_errors_with_the_collective_named(pool):
+    msg = pool.run(with_cpu_symm_mem, 2, _workspace_error_worker)[0]
+    assert_expected_inline(msg, """eagertp symm_mem backend, all_gather of f32[2, 4] on group '2' (2 ranks): get_symm_mem_workspace(): the requested size (64 bytes) is greater than the size of the currently allocated workspace (0 bytes). It's currently not possible to expand the workspace size during graph capture. Please invoke `get_symm_mem_workspace(...)` before initiating the graph capture and try again.""")
+
+
+@pytest.mark.parametrize("scales", ["tensorwise", "rowwise"])
+def test_symm_mem_scaled_fp8_gather(pool, scales):
+    from test_scaled import _gather_scaled_worker
+
+    for r in pool.run(with_cpu_symm_mem, 2, _gather_scaled_worker, scales, "bf16", True):
+        assert r["ok"], r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+        assert r["p2p_ops"] == 0 and r["plain_all_gathers"] == 1, "the CPU stand-in's gloo gather, no ring"

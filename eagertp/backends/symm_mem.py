@@ -20,11 +20,13 @@ ring's 3.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import torch
 import torch.distributed as dist
 
+from eagertp._format import group_str, tensor_str
 from eagertp.backends.base import ChunkConsumer, ChunkProducer, check_gather_buffers, check_scatter_buffers
 
 _PRIMITIVES = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all")
@@ -70,7 +72,8 @@ class SymmMemBackend:
                 consumer(chunk, src, rows)
 
         # NB: with no consumer this is the same protocol (Invariant 2).
-        _symm_mem_module()._pipelined_all_gather_and_consume(shard, shard_consumer, ag_out, group.group_name)
+        with _torch_errors(f"all_gather of {tensor_str(shard)} on {group_str(group)}"):
+            _symm_mem_module()._pipelined_all_gather_and_consume(shard, shard_consumer, ag_out, group.group_name)
 
     def produce_reduce_scatter(
         self,
@@ -83,10 +86,21 @@ class SymmMemBackend:
         world = group.size()
         # stacked[i]: rank i's contribution to this rank's chunk
         stacked = out.new_empty((world, *out.shape))
-        _symm_mem_module()._pipelined_produce_and_all2all(
-            producer, stacked.view(world * out.shape[0], *out.shape[1:]), group.group_name
-        )
+        with _torch_errors(f"reduce_scatter({reduce_op}) to {tensor_str(out)} on {group_str(group)}"):
+            _symm_mem_module()._pipelined_produce_and_all2all(
+                producer, stacked.view(world * out.shape[0], *out.shape[1:]), group.group_name
+            )
         _REDUCE[reduce_op](stacked, out)
+
+
+@contextlib.contextmanager
+def _torch_errors(what: str):
+    """Name the collective in torch's errors (its text carries the fix, e.g. for
+    a workspace that cannot grow during CUDA graph capture)."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RuntimeError(f"eagertp symm_mem backend, {what}: {e}") from e
 
 
 def _sum(stacked: torch.Tensor, out: torch.Tensor) -> None:
