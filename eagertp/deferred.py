@@ -307,18 +307,17 @@ class PendingSum(_Standalone):
         return f"${self.tid}: {tensor_str(self.out)} = " + " + ".join(f"${t.tid}" for t in self.terms)
 
     def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
-        # Sum left to right, each product rounded on its own, as plain eager adds them.
-        self.terms[0].compute_rows(select, out)
-        for term in self.terms[1:]:
-            part = torch.empty_like(out)
-            term.compute_rows(select, part)
-            out.add_(part)
+        self._sum(lambda term, part: term.compute_rows(select, part), out)
 
     def compute_cols(self, cols: slice, out: torch.Tensor) -> None:
-        self.terms[0].compute_cols(cols, out)
+        self._sum(lambda term, part: term.compute_cols(cols, part), out)
+
+    def _sum(self, compute: Callable[[PendingMatmul, torch.Tensor], None], out: torch.Tensor) -> None:
+        # Left to right, each product rounded on its own, as plain eager adds them.
+        compute(self.terms[0], out)
         for term in self.terms[1:]:
             part = torch.empty_like(out)
-            term.compute_cols(cols, part)
+            compute(term, part)
             out.add_(part)
 
     def compute_all(self, out: torch.Tensor) -> None:
