@@ -15,6 +15,11 @@ A new collective first issues everything pending, so at most one collective
 is pending at a time and collectives are issued in program order on every rank
 (Invariant 3); only matmuls (and sums of them) gather behind it.
 
+Every ``mm``/``addmm``/``_scaled_mm`` is deferred: a reduce-scatter may follow.
+A product whose fused consumer already took what it needed (a reduce-scatter's
+producer, a longer sum) stays pending as *absorbed*: computed in full if the
+program reads it, skipped at a flush when nothing can reach it (``_unobserved``).
+
 Pending entries are keyed by storage identity (``StorageImpl`` address). The
 store holds the placeholders, so their storages stay alive and a key cannot be
 reused while it is pending; a flush drops every entry.
