@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from eagertp._format import tensor_str
+from eagertp._format import dtype_str, tensor_str
 from eagertp.trace import CollectiveRecord, Meta
 
 
@@ -76,12 +76,15 @@ class Operand(enum.Enum):
 class GatheredView:
     """A pending gather as the program sees it: ``tensor`` is ``cat`` of the W
     shards along ``dim``. Dim 0 is the all-gather output itself; funcol builds
-    the others with ``cat(ag.chunk(W), dim)``, which the mode defers too."""
+    the others with ``cat(ag.chunk(W), dim)``, which the mode defers too. A
+    ``cast`` view holds the gathered data converted to its own dtype (autocast's
+    ``_to_copy`` before a linear), filled piece by piece like the others."""
 
     tensor: torch.Tensor  # placeholder
     dim: int
     world: int
     tid: int
+    cast: bool = False
 
     @property
     def block(self) -> int:
@@ -94,10 +97,20 @@ class GatheredView:
         return self.tensor.shape[0] // self.world if self.dim == 0 else self.tensor.shape[0]
 
     def fill(self, piece: torch.Tensor, src: int, rows: slice) -> None:
-        """Copy rows ``rows`` of rank ``src``'s shard into place (dim 0: the ring
-        already put them there)."""
-        if self.dim:
-            self.tensor.narrow(self.dim, src * self.block, self.block)[rows].copy_(piece)
+        """Copy (or cast) rows ``rows`` of rank ``src``'s shard into place (the
+        all-gather output itself: the ring already put them there)."""
+        if self.dim or self.cast:
+            self.piece_of(src, rows).copy_(piece)
+
+    def piece_of(self, src: int, rows: slice) -> torch.Tensor:
+        """Where rows ``rows`` of rank ``src``'s shard sit in this view."""
+        if self.dim == 0:
+            return self.tensor.view(self.world, self.shard_rows, *self.tensor.shape[1:])[src][rows]
+        return self.tensor.narrow(self.dim, src * self.block, self.block)[rows]
+
+    def data(self, piece: torch.Tensor, src: int, rows: slice) -> torch.Tensor:
+        """This view's data for a piece a backend delivered (after ``fill``)."""
+        return self.piece_of(src, rows) if self.cast else piece
 
     def rows_of(self, t: torch.Tensor, src: int, rows: slice | None = None) -> torch.Tensor:
         """The rows of ``t`` [M, X] (whose rows follow this view's) that rows
@@ -299,14 +312,18 @@ class PendingSum(_Standalone):
     matmuls produced (dX = dQ @ Wq + dK @ Wk + dV @ Wv). The terms stay pending
     items of their own; one whose output nobody can reach is never computed."""
 
-    terms: list[PendingMatmul]
+    terms: list[PendingMatmul | PendingCast]
     out: torch.Tensor  # placeholder [M, N]
     tid: int
     scatter_views: list[ScatterView] = dataclasses.field(default_factory=list)
     absorbed: bool = False  # a partial sum that a longer sum took over
 
+    @property
+    def name(self) -> str:
+        return " + ".join(t.name for t in self.terms)
+
     def describe(self) -> str:
-        return " + ".join(f"{t.name}" for t in self.terms) + f" -> ${self.tid}"
+        return f"{self.name} -> ${self.tid}"
 
     def render(self) -> str:
         return f"${self.tid}: {tensor_str(self.out)} = " + " + ".join(f"${t.tid}" for t in self.terms)
@@ -332,7 +349,43 @@ class PendingSum(_Standalone):
         return [t for term in self.terms for t in term.inputs()]
 
 
-Product = PendingMatmul | PendingSum
+@dataclasses.dataclass(eq=False)
+class PendingCast(_Standalone):
+    """``out = source.out.to(out.dtype)`` of a standalone pending product, not
+    yet computed: autocast casting a gradient before its reduce-scatter. The
+    source stays pending (absorbed) for any other reader."""
+
+    source: PendingMatmul | PendingSum | PendingCast
+    out: torch.Tensor  # placeholder, source.out's shape
+    tid: int
+    scatter_views: list[ScatterView] = dataclasses.field(default_factory=list)
+    absorbed: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"({self.source.name}).to({dtype_str(self.out.dtype)})"
+
+    def describe(self) -> str:
+        return f"{self.name} -> ${self.tid}"
+
+    def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
+        part = torch.empty_like(out, dtype=self.source.out.dtype)
+        self.source.compute_rows(select, part)
+        out.copy_(part)
+
+    def compute_cols(self, cols: slice, out: torch.Tensor) -> None:
+        part = torch.empty_like(out, dtype=self.source.out.dtype)
+        self.source.compute_cols(cols, part)
+        out.copy_(part)
+
+    def compute_all(self, out: torch.Tensor) -> None:
+        self.compute_rows(_all_rows, out)
+
+    def inputs(self) -> list[torch.Tensor]:
+        return self.source.inputs()
+
+
+Product = PendingMatmul | PendingSum | PendingCast
 
 # select(t): the rows of t [M, X] that one chunk of a reduce-scatter needs.
 RowSelect = Callable[[torch.Tensor], torch.Tensor]

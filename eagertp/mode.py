@@ -38,13 +38,14 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eagertp._format import group_str, tensor_str
+from eagertp._format import dtype_str, group_str, tensor_str
 from eagertp.backends import BackendChoice
 from eagertp.backends.base import REDUCE_OPS
 from eagertp.deferred import (
     GatheredView,
     Operand,
     PendingGather,
+    PendingCast,
     PendingMatmul,
     PendingStore,
     PendingSum,
@@ -55,7 +56,7 @@ from eagertp.deferred import (
     tensor_leaves,
 )
 from eagertp.patterns import AllGatherMatmulPlan, Plan, ReduceScatterPlan
-from eagertp.trace import CollectiveRecord, Reason, Trace
+from eagertp.trace import CollectiveRecord, Meta, Reason, Trace
 
 __all__ = ["EagerMicroPipeline", "VerificationError"]
 
@@ -396,6 +397,24 @@ class EagerMicroPipeline:
         if self._store.touched(others) is not None:
             return None, None, None, "has a second pending operand"
         return gather, view, operand, None
+
+    def _defer_cast(self, gather: PendingGather, source: GatheredView, dtype: torch.dtype) -> torch.Tensor:
+        view = GatheredView(
+            self._placeholder(source.tensor, source.tensor.shape, dtype), source.dim, source.world,
+            self._store.next_tid(), cast=True,
+        )
+        self._store.add_gathered_view(gather, view)
+        self._trace.event("${}: {} = ${}.to({})", view.tid, Meta.of(view.tensor), source.tid, dtype_str(dtype))
+        return view.tensor
+
+    def _defer_product_cast(self, source: Product, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Defer ``t.to(dtype)`` of a whole pending product (``t`` views its
+        output): a reduce-scatter of the cast can still produce chunk by chunk."""
+        cast = PendingCast(source, self._placeholder(source.out, source.out.shape, dtype), self._store.next_tid())
+        source.absorbed = True
+        self._store.add_product(cast)
+        self._trace.event("${}: {} = ${}.to({})", cast.tid, Meta.of(cast.out), source.tid, dtype_str(dtype))
+        return cast.out.view(t.shape)
 
     def _defer_chunk_cat(self, tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
         """Defer ``cat(x.chunk(W, i), dim)`` of a pending ``x``, the reshuffle funcol
@@ -800,6 +819,37 @@ def _passthrough(p: EagerMicroPipeline, func, args, kwargs):
 @functools.cache
 def _is_composite(func: torch._ops.OpOverload) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+@_register([aten._to_copy.default])
+def _to_copy(p: EagerMicroPipeline, func, args, kwargs):
+    """A dtype cast of a whole gathered tensor (autocast before a linear) becomes
+    a cast view, filled chunk by chunk: the linear on it still fuses."""
+    dtype = kwargs.get("dtype")
+    if p._store and len(args) == 1 and set(kwargs) <= _CAST_KWARGS and dtype is not None:
+        found = p._store.gathered_view_of(args[0])
+        if found is not None and _is_plain_cast(args[0], found[1].tensor, kwargs):
+            return p._defer_cast(*found, dtype)
+        product = p._store.standalone_output(args[0])
+        if product is not None and product[1] is None and _is_plain_cast(args[0], args[0], kwargs):
+            return p._defer_product_cast(product[0], args[0], dtype)
+    return _passthrough(p, func, args, kwargs)
+
+
+# _to_copy's keywords a plain dtype cast may carry.
+_CAST_KWARGS = frozenset({"dtype", "layout", "device", "non_blocking", "memory_format"})
+
+
+def _is_plain_cast(t: torch.Tensor, whole: torch.Tensor, kwargs: dict) -> bool:
+    """True if ``_to_copy(t, **kwargs)`` only changes the dtype of all of ``whole``."""
+    return (
+        t.shape == whole.shape
+        and t.stride() == whole.stride()
+        and t.storage_offset() == whole.storage_offset()
+        and kwargs.get("layout", torch.strided) == torch.strided
+        and torch.device(kwargs.get("device", t.device)) == t.device
+        and kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format)
+    )
 
 
 @_register([aten.cat.default])

@@ -111,7 +111,7 @@ class AllGatherMatmulPlan:
         g = self.gather
         ag = torch.empty_like(g.out)
         ReferenceBackend().all_gather_consume(g.shard, None, ag, g.group)
-        views = {id(v): torch.cat(ag.chunk(v.world), v.dim) for v in g.views}
+        views = {id(v): torch.cat(ag.chunk(v.world), v.dim).to(v.tensor.dtype) for v in g.views}
         results = []
         for mm in g.consumers:
             a, b = _whole_operands(mm, views[id(mm.view)])
@@ -274,6 +274,7 @@ def _rows_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
     lead = view.tensor.shape[:-1]
 
     def rows_part(piece: torch.Tensor, src: int, rows: slice) -> None:
+        piece = view.data(piece, src, rows)
         g = piece.view(mm.gathered_dtype or piece.dtype).reshape(-1, c)
         out = view.rows_of(mm.out, src, rows) if view.dim == 0 else None  # contiguous rows
         res = torch.empty((g.shape[0], n), dtype=mm.out.dtype, device=g.device) if out is None else out
@@ -287,40 +288,49 @@ def _rows_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
 
 def _accumulate_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
     """ROWS_T, B_ROWS, COLS: out (or its rows, for COLS) += one partial product
-    per piece. The first piece to arrive starts out at ``beta * bias`` (or 0)."""
+    per piece. The first piece to arrive starts out at ``beta * bias`` (or 0).
+
+    NB: half-precision outputs accumulate in float32 and round once when the
+    last piece is in, as one plain matmul does: rounding every partial sum to
+    bf16 would drift from plain eager.
+    """
     out = mm.out
+    acc = out if out.dtype in (torch.float32, torch.float64) else torch.empty_like(out, dtype=torch.float32)
     if mm.operand is Operand.ROWS_T:
 
         def factors(piece: torch.Tensor, src: int, rows: slice):
-            return out, piece.reshape(-1, out.shape[0]).t(), view.rows_of(mm.b, src, rows)
+            return acc, piece.reshape(-1, out.shape[0]).t(), view.rows_of(mm.b, src, rows)
 
     elif mm.operand is Operand.B_ROWS:
 
         def factors(piece: torch.Tensor, src: int, rows: slice):
-            return out, view.rows_of(mm.a.t(), src, rows).t(), piece.reshape(-1, out.shape[1])
+            return acc, view.rows_of(mm.a.t(), src, rows).t(), piece.reshape(-1, out.shape[1])
 
     else:
         assert mm.operand is Operand.COLS, f"unknown operand {mm.operand}"
         out_rows_per_shard_row = out.shape[0] // view.tensor.shape[0]  # lead dims are the shard's
 
         def factors(piece: torch.Tensor, src: int, rows: slice):
-            out_rows = out[rows.start * out_rows_per_shard_row : rows.stop * out_rows_per_shard_row]
-            return out_rows, piece.reshape(-1, view.block), mm.b[src * view.block : (src + 1) * view.block]
+            acc_rows = acc[rows.start * out_rows_per_shard_row : rows.stop * out_rows_per_shard_row]
+            return acc_rows, piece.reshape(-1, view.block), mm.b[src * view.block : (src + 1) * view.block]
 
-    started = False
+    rows_total = view.world * view.shard_rows
+    rows_done = 0
 
     def accumulate_part(piece: torch.Tensor, src: int, rows: slice) -> None:
-        nonlocal started
-        if not started:
-            started = True
+        nonlocal rows_done
+        if rows_done == 0:
             if mm.bias is None:
-                out.zero_()
+                acc.zero_()
             else:
-                out.copy_(mm.bias.expand(out.shape))
+                acc.copy_(mm.bias.expand(out.shape))
                 if mm.beta != 1:
-                    out.mul_(mm.beta)
-        target, x, y = factors(piece, src, rows)
-        target.addmm_(x, y, alpha=mm.alpha)
+                    acc.mul_(mm.beta)
+        target, x, y = factors(view.data(piece, src, rows), src, rows)
+        target.addmm_(x.to(acc.dtype), y.to(acc.dtype), alpha=mm.alpha)
+        rows_done += rows.stop - rows.start
+        if rows_done == rows_total and acc is not out:
+            out.copy_(acc)
 
     return accumulate_part
 

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from eagertp._format import tensor_str
+
 log = logging.getLogger(__name__)
 
 
@@ -69,6 +71,9 @@ class Meta(NamedTuple):
     @staticmethod
     def of(t: torch.Tensor) -> Meta:
         return Meta(t.dtype, t.shape)
+
+    def __str__(self) -> str:
+        return tensor_str(self)
 
 
 @dataclasses.dataclass

@@ -272,3 +272,39 @@ def test_matmul_output_read_after_its_fused_reduce_scatter(pool):
         # not read: never computed in full
         assert r["dropped"] == {"matmul_reduce_scatter": 1}, r
         assert r["dropped_trace"].endswith("skip $0: nothing can read it"), r["dropped_trace"]
+
+
+def _autocast_worker(rank, group):
+    """Under autocast a linear first casts the gathered activation
+    (aten._to_copy): the cast is filled chunk by chunk and the linear still
+    fuses; in backward the bf16 input gradient is cast to float32 before its
+    reduce-scatter, which still produces chunk by chunk."""
+    import contextlib
+
+    from helpers import all_gather
+
+    x0 = integer_tensor((4, 8), torch.float32, seed=rank)
+    w1 = integer_tensor((8, 8), torch.float32, seed=10 + rank)
+    w2 = integer_tensor((8, 8), torch.float32, seed=20 + rank)
+
+    def step(ctx):
+        x, p1, p2 = (t.clone().requires_grad_() for t in (x0, w1, w2))
+        with torch.autocast("cpu", dtype=torch.bfloat16), ctx:
+            h = F.linear(all_gather(x, group), p1)
+            y = reduce_scatter(F.linear(h, p2), group)
+            y.float().pow(2).sum().backward()
+        return [y.detach(), x.grad, p1.grad, p2.grad]
+
+    expected = step(contextlib.nullcontext())
+    pipe = EagerMicroPipeline()
+    got = step(pipe)
+    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], "stats": dict(pipe.stats), "trace": pipe.debug_string()}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_autocast_casts_of_gathered_activations_fuse(pool, world):
+    for r in pool.run(_autocast_worker, world):
+        assert all(r["ok"]), r
+        # forward gather + reduce-scatter; backward: the output gradient's gather,
+        # and the input gradient's reduce-scatter of its float32 cast
+        assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
