@@ -135,3 +135,37 @@ all_gather #2 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with 
 reduce_scatter(sum) #2 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with mm -> $14 [ring]
 all_gather #3 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with mm (gathered A.t()) -> $18, mm -> $19 [ring]
 reduce_scatter(sum) #3 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with mm + mm + mm -> $27 [ring]""")
+
+
+def _autocast_transformer_worker(rank, group):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from eagertp.demo import TransformerBlock, tensor_parallel_plan
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)).chunk(group.size(), 1)[rank].contiguous()
+
+    def step(ctx):
+        torch.manual_seed(0)
+        model = parallelize_module(TransformerBlock(16, 4), mesh, tensor_parallel_plan())
+        with torch.autocast("cpu", dtype=torch.bfloat16), ctx:
+            loss = model(x).float().pow(2).sum()
+            loss.backward()
+        return loss.detach(), [p.grad.full_tensor() for p in model.parameters()]
+
+    expected = step(contextlib.nullcontext())
+    pipe = EagerMicroPipeline()
+    got = step(pipe)
+    return {
+        "loss": (expected[0], got[0]),
+        "grads_close": [torch.allclose(g, e, rtol=2e-2, atol=1e-2) for g, e in zip(got[1], expected[1])],
+        "stats": dict(pipe.stats),
+    }
+
+
+def test_dtensor_transformer_under_bf16_autocast_fuses_every_tp_collective(pool):
+    for r in pool.run(_autocast_transformer_worker, 2):
+        torch.testing.assert_close(r["loss"][1], r["loss"][0], rtol=1e-3, atol=1e-3)
+        assert all(r["grads_close"]), r["grads_close"]
+        assert r["stats"] == {"all_gather_matmul": 4, "fused_matmuls": 8, "matmul_reduce_scatter": 4}, r
