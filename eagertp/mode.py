@@ -827,12 +827,14 @@ def _to_copy(p: EagerMicroPipeline, func, args, kwargs):
     a cast view, filled chunk by chunk: the linear on it still fuses."""
     dtype = kwargs.get("dtype")
     if p._store and len(args) == 1 and set(kwargs) <= _CAST_KWARGS and dtype is not None:
-        found = p._store.gathered_view_of(args[0])
-        if found is not None and _is_plain_cast(args[0], found[1].tensor, kwargs):
-            return p._defer_cast(*found, dtype)
-        product = p._store.standalone_output(args[0])
-        if product is not None and product[1] is None and _is_plain_cast(args[0], args[0], kwargs):
-            return p._defer_product_cast(product[0], args[0], dtype)
+        (t,) = args
+        if _only_changes_dtype(t, kwargs):
+            found = p._store.gathered_view_of(t)
+            if found is not None and _same_views([t], [found[1].tensor]):
+                return p._defer_cast(*found, dtype)
+            product = p._store.standalone_output(t)  # only whole outputs
+            if product is not None and product[1] is None:
+                return p._defer_product_cast(product[0], t, dtype)
     return _passthrough(p, func, args, kwargs)
 
 
@@ -840,13 +842,10 @@ def _to_copy(p: EagerMicroPipeline, func, args, kwargs):
 _CAST_KWARGS = frozenset({"dtype", "layout", "device", "non_blocking", "memory_format"})
 
 
-def _is_plain_cast(t: torch.Tensor, whole: torch.Tensor, kwargs: dict) -> bool:
-    """True if ``_to_copy(t, **kwargs)`` only changes the dtype of all of ``whole``."""
+def _only_changes_dtype(t: torch.Tensor, kwargs: dict) -> bool:
+    """True if ``_to_copy(t, **kwargs)`` changes nothing but the dtype."""
     return (
-        t.shape == whole.shape
-        and t.stride() == whole.stride()
-        and t.storage_offset() == whole.storage_offset()
-        and kwargs.get("layout", torch.strided) == torch.strided
+        kwargs.get("layout", torch.strided) == torch.strided
         and torch.device(kwargs.get("device", t.device)) == t.device
         and kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format)
     )
