@@ -301,8 +301,10 @@ class PendingMatmul(_Standalone):
         self.compute(self.a, self.b, out)
 
     def inputs(self) -> list[torch.Tensor]:
-        scaled = [] if self.scaled is None else self.scaled.tensors()
-        return [t for t in (self.a, self.b, self.bias, *scaled) if t is not None]
+        tensors = [t for t in (self.a, self.b, self.bias) if t is not None]
+        if self.scaled is not None:
+            tensors += self.scaled.tensors()
+        return tensors
 
 
 @dataclasses.dataclass(eq=False)

@@ -76,15 +76,9 @@ class Meta(NamedTuple):
         return tensor_str(self)
 
 
-@dataclasses.dataclass
-class Event:
-    """One line of the ordered trace: ``render(*args)``, formatted when read."""
-
-    render_fn: Callable[..., str]
-    args: tuple
-
-    def render(self) -> str:
-        return self.render_fn(*self.args)
+# One line of the ordered trace: ``render(*args)``, formatted when read. A plain
+# tuple: one is recorded per deferred matmul, on the hot path.
+Event = tuple[Callable[..., str], tuple]
 
 
 class Reason:
@@ -115,7 +109,7 @@ class Trace:
         ``args`` must hold no tensors (use ``Meta.of``)."""
         if isinstance(render, str):
             render, args = (render.format, args) if args else (str, (render,))
-        self.events.append(Event(render, args))
+        self.events.append((render, args))
 
     def new_collective(
         self, kind: str, *, src: str, dst: str, group: str
@@ -144,7 +138,7 @@ class Trace:
         log.debug("eagertp: %s", record)
 
     def debug_string(self) -> str:
-        return "\n".join(e.render() for e in self.events)
+        return "\n".join(render(*args) for render, args in self.events)
 
     def explain(self) -> str:
         if not self.collectives and not self.dropped:
