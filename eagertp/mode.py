@@ -256,7 +256,7 @@ class EagerMicroPipeline:
 
     def _issue(self, plan: Plan, unfused_reason: str) -> None:
         """Run one collective's plan on the backend and account for it."""
-        backend, note = self._backend.for_tensor(plan.buffer)
+        backend, note = self._backend.for_collective(plan.buffer, plan.group)
         label = backend.name if note is None else f"{backend.name}; {note}"
         was_issuing, self._issuing = self._issuing, True
         try:

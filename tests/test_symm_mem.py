@@ -36,27 +36,32 @@ def _cpu_pipelined_produce_and_all2all(chunk_producer, output, group_name, out_c
     dist.all_to_all(list(output.chunk(world, dim=out_chunk_dim)), chunks, group=group)
 
 
-def with_cpu_symm_mem(rank, group, worker, *args):
+def with_cpu_symm_mem(rank, group, worker, *args, rendezvous_error=None):
+    """Run ``worker`` with torch's primitives replaced by the CPU versions above,
+    CPU tensors accepted, and each group's workspace rendezvous a no-op (or
+    raising ``rendezvous_error``)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     from eagertp.backends import symm_mem as backend
 
-    saved = (
-        symm_mem._pipelined_all_gather_and_consume,
-        symm_mem._pipelined_produce_and_all2all,
-        backend.unavailable_reason,
-    )
+    def rendezvous(group_name, min_size):
+        if rendezvous_error is not None:
+            raise RuntimeError(rendezvous_error)
+
+    names = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all", "get_symm_mem_workspace")
+    saved = [getattr(symm_mem, name) for name in names] + [backend.static_reason]
     symm_mem._pipelined_all_gather_and_consume = _cpu_pipelined_all_gather_and_consume
     symm_mem._pipelined_produce_and_all2all = _cpu_pipelined_produce_and_all2all
-    backend.unavailable_reason = lambda t: None  # CPU tensors welcome, in this test only
+    symm_mem.get_symm_mem_workspace = rendezvous
+    backend.static_reason = lambda t: None  # CPU tensors welcome, in this test only
+    backend._group_reasons.clear()
     try:
         return worker(rank, group, *args)
     finally:
-        (
-            symm_mem._pipelined_all_gather_and_consume,
-            symm_mem._pipelined_produce_and_all2all,
-            backend.unavailable_reason,
-        ) = saved
+        for name, value in zip(names, saved):
+            setattr(symm_mem, name, value)
+        backend.static_reason = saved[-1]
+        backend._group_reasons.clear()
 
 
 def _mlp_worker(rank, group, gather_dim, reduce_op):
@@ -148,3 +153,31 @@ def test_symm_mem_scaled_fp8_gather(pool, scales):
         assert r["ok"], r
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
         assert r["p2p_ops"] == 0 and r["plain_all_gathers"] == 1, "the CPU stand-in's gloo gather, no ring"
+
+
+def _rendezvous_failure_worker(rank, group):
+    from helpers import all_gather as gather
+
+    x = integer_tensor((2, 4), torch.float32, seed=rank)
+    w = integer_tensor((4, 3), torch.float32, seed=1)
+    with EagerMicroPipeline() as auto:
+        y = gather(x, group) @ w
+    try:
+        with EagerMicroPipeline(backend="symm_mem"):
+            gather(x, group) @ w
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"ok": torch.equal(y, gather(x, group) @ w), "explain": auto.explain(), "error": error}
+
+
+def _with_failing_rendezvous(rank, group, worker):
+    return with_cpu_symm_mem(rank, group, worker, rendezvous_error="no peer access between the devices")
+
+
+def test_symm_mem_rendezvous_failure_falls_back_to_the_ring_or_says_why(pool):
+    """auto: the ring serves the group, and explain() says why; symm_mem: an error."""
+    r0 = pool.run(_with_failing_rendezvous, 2, _rendezvous_failure_worker)[0]
+    assert r0["ok"]
+    assert_expected_inline(r0["explain"], """all_gather #0 f32[2, 4] -> f32[4, 4] on group '2' (2 ranks): fused with mm -> $1 [ring; symm_mem unavailable: its workspace rendezvous on group '2' (2 ranks) failed: no peer access between the devices]""")
+    assert_expected_inline(r0["error"], """EagerMicroPipeline(backend='symm_mem') cannot serve this collective: its workspace rendezvous on group '2' (2 ranks) failed: no peer access between the devices. Use backend='ring' (any process group) or backend='auto' (symm_mem where it works).""")

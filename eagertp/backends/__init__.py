@@ -64,16 +64,18 @@ class BackendChoice:
         self.name = name
         self._instances = {key: cls() for key, cls in BACKENDS.items()}
 
-    def for_tensor(self, t: torch.Tensor) -> tuple[Backend, str | None]:
-        """The backend for a collective on ``t``, and a note for ``explain()``
-        when ``auto`` could not use symmetric memory on CUDA."""
+    def for_collective(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str | None]:
+        """The backend for a collective on ``t`` over ``group``, and a note for
+        ``explain()`` when ``auto`` could not use symmetric memory on CUDA."""
         if self.name == "auto":
-            why_not = symm_mem.unavailable_reason(t)
+            why_not = symm_mem.unavailable_reason(t, group)
             if why_not is None:
                 return self._instances["symm_mem"], None
-            return self._instances["ring"], (f"symm_mem unavailable: {why_not}" if t.is_cuda else None)
+            # Say why only where symmetric memory was a candidate (not for CPU tensors).
+            candidate = t.is_cuda or symm_mem.static_reason(t) is None
+            return self._instances["ring"], (f"symm_mem unavailable: {why_not}" if candidate else None)
         if self.name == "symm_mem":
-            why_not = symm_mem.unavailable_reason(t)
+            why_not = symm_mem.unavailable_reason(t, group)
             if why_not is not None:
                 raise ValueError(
                     f"EagerMicroPipeline(backend='symm_mem') cannot serve this collective: {why_not}. "

@@ -9,8 +9,8 @@ directly and the placeholders are written in place::
 
 Both are private to torch and may move between releases: ``unavailable_reason``
 detects them (and CUDA) and says why this backend cannot serve a collective,
-so that ``backend="auto"`` falls back to the ring with that reason and
-``backend="symm_mem"`` raises it.
+and probes each group's workspace once, so that ``backend="auto"`` falls back
+to the ring with that reason and ``backend="symm_mem"`` raises it.
 
 The reduce-scatter gathers every rank's contribution to this rank's chunk
 (all-to-all of produced chunks) and reduces locally, as torch's
@@ -39,17 +39,41 @@ def _symm_mem_module():
         return None
 
 
-def unavailable_reason(t: torch.Tensor) -> str | None:
-    """Why the symm_mem backend cannot serve a collective on ``t``, or None."""
+def unavailable_reason(t: torch.Tensor, group: dist.ProcessGroup) -> str | None:
+    """Why the symm_mem backend cannot serve a collective on ``t`` over
+    ``group``, or None. The first call for a group rendezvouses its
+    symmetric-memory workspace, a collective: every rank reaches it at the same
+    collective, since the answer before it depends on the device and the torch
+    build only."""
+    return static_reason(t) or _group_reason(group)
+
+
+def static_reason(t: torch.Tensor) -> str | None:
+    """What the device and the torch build say, without communicating."""
     if t.device.type != "cuda":
         return f"symmetric memory needs CUDA tensors, this collective's are on {t.device.type}"
     module = _symm_mem_module()
     if module is None:
         return "this torch has no torch.distributed._symmetric_memory"
-    missing = [name for name in _PRIMITIVES if not hasattr(module, name)]
+    missing = [name for name in (*_PRIMITIVES, "get_symm_mem_workspace") if not hasattr(module, name)]
     if missing:
         return f"this torch ({torch.__version__}) lacks {', '.join(missing)} in torch.distributed._symmetric_memory"
     return None
+
+
+# group name -> why symmetric memory cannot serve it (None: it can), probed once.
+_group_reasons: dict[str, str | None] = {}
+
+
+def _group_reason(group: dist.ProcessGroup) -> str | None:
+    name = group.group_name
+    if name not in _group_reasons:
+        try:
+            _symm_mem_module().get_symm_mem_workspace(name, min_size=1)
+            _group_reasons[name] = None
+        except (RuntimeError, ValueError) as e:  # e.g. no peer access between the devices
+            _group_reasons[name] = f"its workspace rendezvous on {group_str(group)} failed: {e}"
+    return _group_reasons[name]
 
 
 class SymmMemBackend:
