@@ -28,6 +28,7 @@ collective alone interoperates with a peer that fuses it.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer
 from eagertp.backends.reference import ReferenceBackend
