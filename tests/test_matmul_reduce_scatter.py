@@ -194,6 +194,7 @@ def test_sequence_parallel_mlp_forward_backward_all_fused(pool, world, backend, 
         assert all(r["ok"]), r
         # forward: AG+addmm, mm+RS; backward: AG(grad) + dgrad & wgrad, mm+RS(dx)
         assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
+        assert r["plain_all_gathers"] == 0 and r["plain_reduce_scatters"] == 0 and r["p2p_ops"] > 0, r
 
 
 def _qkv_backward_worker(rank, group, use_checkpoint):
@@ -296,9 +297,10 @@ def _autocast_worker(rank, group):
         return [y.detach(), x.grad, p1.grad, p2.grad]
 
     expected = step(contextlib.nullcontext())
-    pipe = EagerMicroPipeline()
-    got = step(pipe)
-    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], "stats": dict(pipe.stats), "trace": pipe.debug_string()}
+    pipe, counter = EagerMicroPipeline(), OpCounter()
+    with counter:
+        got = step(pipe)
+    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], "trace": pipe.debug_string(), **fusion_report(pipe, counter)}
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -308,3 +310,4 @@ def test_autocast_casts_of_gathered_activations_fuse(pool, world):
         # forward gather + reduce-scatter; backward: the output gradient's gather,
         # and the input gradient's reduce-scatter of its float32 cast
         assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
+        assert r["plain_all_gathers"] == 0 and r["plain_reduce_scatters"] == 0 and r["p2p_ops"] > 0, r
