@@ -194,7 +194,6 @@ def test_sequence_parallel_mlp_forward_backward_all_fused(pool, world, backend, 
         assert all(r["ok"]), r
         # forward: AG+addmm, mm+RS; backward: AG(grad) + dgrad & wgrad, mm+RS(dx)
         assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
-        assert r["plain_all_gathers"] == 0 and r["plain_reduce_scatters"] == 0 and r["p2p_ops"] > 0, r
 
 
 def _qkv_backward_worker(rank, group, use_checkpoint):
