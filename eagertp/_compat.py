@@ -7,10 +7,6 @@ and deprecates the old names; use the new one where it exists.
 from __future__ import annotations
 
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor

@@ -371,13 +371,15 @@ class PendingCast(_Standalone):
         return f"{self.name} -> ${self.tid}"
 
     def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
-        part = torch.empty_like(out, dtype=self.source.out.dtype)
-        self.source.compute_rows(select, part)
-        out.copy_(part)
+        self._cast(lambda part: self.source.compute_rows(select, part), out)
 
     def compute_cols(self, cols: slice, out: torch.Tensor) -> None:
+        self._cast(lambda part: self.source.compute_cols(cols, part), out)
+
+    def _cast(self, compute: Callable[[torch.Tensor], None], out: torch.Tensor) -> None:
+        # In the source's dtype first, then cast: as plain eager rounds it.
         part = torch.empty_like(out, dtype=self.source.out.dtype)
-        self.source.compute_cols(cols, part)
+        compute(part)
         out.copy_(part)
 
     def compute_all(self, out: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ def check_gather_buffers(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.
     ), f"ag_out {tuple(ag_out.shape)} is not shard {tuple(shard.shape)} gathered over {group.size()} ranks"
 
 
-def check_scatter_buffers(out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> None:
+def check_scatter_buffers(out: torch.Tensor, reduce_op: str) -> None:
     assert out.is_contiguous(), f"produce_reduce_scatter needs a contiguous out, got strides {out.stride()}"
     assert reduce_op in REDUCE_OPS, f"reduce_op {reduce_op!r} is not one of {sorted(REDUCE_OPS)}"
 

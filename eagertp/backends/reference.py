@@ -43,7 +43,7 @@ class ReferenceBackend:
         group: dist.ProcessGroup,
         reduce_op: str,
     ) -> None:
-        check_scatter_buffers(out, group, reduce_op)
+        check_scatter_buffers(out, reduce_op)
         world = group.size()
         full = out.new_empty((world * out.shape[0], *out.shape[1:]))
         for dst, chunk in enumerate(full.view(world, *out.shape)):

@@ -109,7 +109,7 @@ class RingBackend:
         group: dist.ProcessGroup,
         reduce_op: str,
     ) -> None:
-        check_scatter_buffers(out, group, reduce_op)
+        check_scatter_buffers(out, reduce_op)
         world, rank = group.size(), group.rank()
         combine = _COMBINE[reduce_op]
         if world == 1 or out.numel() == 0:

@@ -106,7 +106,7 @@ class SymmMemBackend:
         group: dist.ProcessGroup,
         reduce_op: str,
     ) -> None:
-        check_scatter_buffers(out, group, reduce_op)
+        check_scatter_buffers(out, reduce_op)
         world = group.size()
         # stacked[i]: rank i's contribution to this rank's chunk
         stacked = out.new_empty((world, *out.shape))
