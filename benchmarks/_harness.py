@@ -68,6 +68,9 @@ def _entry(rank, world, port, args, worker, results) -> None:
     import torch
     import torch.distributed as dist
 
+    import warnings
+
+    warnings.simplefilter("ignore", FutureWarning)  # funcol's deprecations, once per rank otherwise
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -79,6 +82,9 @@ def _entry(rank, world, port, args, worker, results) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    from eagertp._compat import exit_spawned_rank
+
+    exit_spawned_rank(0)
 
 
 def _free_port() -> int:
@@ -111,19 +117,32 @@ def _run_in_shaped_netns(args: argparse.Namespace) -> Any:
 
 def timeit(fn: Callable[[], Any], group, *, repeats: int, warmup: int) -> float:
     """Median over samples of the slowest rank's seconds for ``fn()``."""
+    return time_interleaved({"t": fn}, group, repeats=repeats, warmup=warmup)["t"]
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], group, *, repeats: int, warmup: int) -> dict[str, float]:
+    """Like :func:`timeit` for several functions, sampled round-robin.
+
+    Round ``i`` runs every function once, starting at a different one each
+    round, so that drift on a shared machine (another tenant, frequency
+    changes) lands on all of them alike and their ratios stay meaningful.
+    """
     import torch
     import torch.distributed as dist
 
-    samples = []
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(warmup + repeats):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        if i >= warmup:
-            samples.append(elapsed.item())
-    return statistics.median(samples)
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            fns[name]()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            if i >= warmup:
+                samples[name].append(elapsed.item())
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def write_json(path: str | None, payload: dict) -> None:

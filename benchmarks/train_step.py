@@ -57,11 +57,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             p.grad = None
 
     pipe = EagerMicroPipeline(backend=args.backend)
-    t_unfused = _harness.timeit(lambda: step(contextlib.nullcontext()), group, repeats=args.repeats, warmup=args.warmup)
-    t_fused = _harness.timeit(lambda: step(pipe), group, repeats=args.repeats, warmup=args.warmup)
-    # Once more, interleaved the other way round, against drift on a shared machine.
-    t_fused = min(t_fused, _harness.timeit(lambda: step(pipe), group, repeats=args.repeats, warmup=1))
-    t_unfused = min(t_unfused, _harness.timeit(lambda: step(contextlib.nullcontext()), group, repeats=args.repeats, warmup=1))
+    t = _harness.time_interleaved(
+        {"t_unfused": lambda: step(contextlib.nullcontext()), "t_fused": lambda: step(pipe)},
+        group,
+        repeats=args.repeats,
+        warmup=args.warmup,
+    )
     stats = dict(pipe.stats)
     return {
         "world_size": world,
@@ -70,8 +71,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         "seq": args.seq,
         "dim": args.dim,
         "backend": pipe.backend,
-        "t_unfused": t_unfused,
-        "t_fused": t_fused,
+        **t,
         "fused_ops_per_step": stats.get("all_gather_matmul", 0) + stats.get("matmul_reduce_scatter", 0),
         "unfused_ops_per_step": stats.get("unfused_all_gather", 0) + stats.get("unfused_reduce_scatter", 0),
     }

@@ -1,4 +1,5 @@
-"""Names that moved between the torch releases eagertp supports (>= 2.11).
+"""What differs between the torch releases eagertp supports (>= 2.11), and
+what works around torch itself.
 
 Newer torch renames ``*_into_tensor`` / ``*_tensor`` collectives to ``*_single``
 and deprecates the old names; use the new one where it exists.
@@ -6,7 +7,28 @@ and deprecates the old names; use the new one where it exists.
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import NoReturn
+
 import torch.distributed as dist
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def exit_spawned_rank(code: int) -> NoReturn:
+    """End a spawned rank whose work is done, without finalising Python.
+
+    NB: once a dispatch mode has run in a process (any TorchDispatchMode, seen
+    on torch 2.13), ``destroy_process_group`` leaves the gloo group's threads
+    running. At interpreter exit one of them may then free a finished Work that
+    holds a Python tensor, needs the GIL, and the process aborts with
+    "terminate called without an active exception" (about 1 run in 40 of a
+    short benchmark). Called after ``destroy_process_group``, with the rank's
+    results already handed over, this skips finalisation as multiprocessing's
+    forked children do.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from eagertp import EagerMicroPipeline
+from eagertp._compat import exit_spawned_rank
 
 
 class Attention(nn.Module):
@@ -114,8 +115,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="training steps per run")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--batch", type=int, default=2, help="batch size")
-    parser.add_argument("--seq", type=int, default=256, help="sequence length (divisible by the world size)")
-    parser.add_argument("--dim", type=int, default=256, help="model width")
+    parser.add_argument("--seq", type=int, default=512, help="sequence length (divisible by the world size)")
+    parser.add_argument("--dim", type=int, default=512, help="model width")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (divisible by the world size)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--backend", default="auto", help="eagertp backend: auto, ring, reference")
@@ -206,8 +207,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    if not match:
-        raise SystemExit(1)
+    exit_spawned_rank(0 if match else 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,6 +61,11 @@ class AllGatherMatmulPlan:
         """A tensor of the collective (its device picks the backend)."""
         return self.gather.shard
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes per rank (what the size rule sees: Note [Size rule])."""
+        return self.gather.shard.numel() * self.gather.shard.element_size()
+
     def fused_with(self) -> list[str]:
         return [mm.describe() for mm in self.gather.consumers]
 
@@ -154,6 +159,11 @@ class ReduceScatterPlan:
     def buffer(self) -> torch.Tensor:
         """A tensor of the collective (its device picks the backend)."""
         return self.out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per rank (what the size rule sees: Note [Size rule])."""
+        return self.out.numel() * self.out.element_size()
 
     def fused_with(self) -> list[str]:
         assert self.product is not None, "an unfused reduce-scatter fused with nothing"

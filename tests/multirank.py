@@ -41,6 +41,14 @@ class WorkerDied(RuntimeError):
     """A worker process exited mid-test (gloo aborts a process on some errors)."""
 
 
+def fuse_every_size() -> None:
+    """Tests prove fusion on small shapes, which the size rule (Note [Size rule])
+    would issue plain; its own tests pass ``min_fuse_bytes`` explicitly."""
+    from eagertp.backends import MIN_FUSE_BYTES
+
+    MIN_FUSE_BYTES.update(dict.fromkeys(MIN_FUSE_BYTES, 0))
+
+
 @dataclasses.dataclass
 class _Job:
     fn: Callable[..., Any]
@@ -60,6 +68,7 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection) -
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    fuse_every_size()
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -89,6 +98,9 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection) -
     # gloo threads still use them can abort that peer.
     dist.barrier()
     dist.destroy_process_group()
+    from eagertp._compat import exit_spawned_rank
+
+    exit_spawned_rank(0)
 
 
 class WorkerPool:

@@ -27,6 +27,8 @@ collective alone interoperates with a peer that fuses it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -36,7 +38,7 @@ from eagertp.backends.ring import RingBackend
 from eagertp.backends import symm_mem
 from eagertp.backends.symm_mem import SymmMemBackend
 
-__all__ = ["BACKENDS", "Backend", "BackendChoice", "ChunkConsumer", "ChunkProducer"]
+__all__ = ["BACKENDS", "MIN_FUSE_BYTES", "Backend", "BackendChoice", "Choice", "ChunkConsumer", "ChunkProducer"]
 
 BACKENDS: dict[str, type[Backend]] = {
     "ring": RingBackend,
@@ -45,16 +47,47 @@ BACKENDS: dict[str, type[Backend]] = {
 }
 
 
+# Note [Size rule]
+# A collective whose per-rank buffer (the all-gather's shard, the reduce-scatter's
+# output chunk) is smaller than MIN_FUSE_BYTES[device, kind] is issued plain (the
+# reference backend) and its matmuls run after it: a pipelined call pays fixed
+# costs (a point-to-point message per step each way, a Python callback per
+# chunk, W smaller matmuls, ~0.5 ms in all on CPU) that overlap cannot win back
+# on a small transfer. The CPU values are the measured crossovers over gloo, on
+# plain and on rate-limited loopback (benchmarks/NOTES.md, "Size rule"); the
+# reduce-scatter's is lower because the ring's single message per step beats
+# gloo's own reduce-scatter. The rule sees the collective's shape only, never
+# its matmuls (Invariant 2: a rank that issues a gather alone and a peer that
+# fuses it must pick the same transport). CUDA is not measured yet: there
+# torch's fused ops are used at every size, as Inductor's pass does.
+MIN_FUSE_BYTES: dict[tuple[str, str], int] = {
+    ("cpu", "all_gather"): 1 << 20,
+    ("cpu", "reduce_scatter"): 512 << 10,
+    ("cuda", "all_gather"): 0,
+    ("cuda", "reduce_scatter"): 0,
+}
+
+
+class Choice(NamedTuple):
+    """How one collective is issued."""
+
+    backend: Backend
+    note: str | None  # for explain(): why ``auto`` did not pick symm_mem, where it could have
+    unfused_reason: str | None  # set when the size rule issues it plain
+
+
 class BackendChoice:
-    """``EagerMicroPipeline(backend=name)``: which backend serves each collective.
+    """``EagerMicroPipeline(backend=name, min_fuse_bytes=...)``: which backend
+    serves each collective.
 
     ``"auto"`` picks ``symm_mem`` for CUDA tensors where torch's symmetric-memory
     primitives exist, and ``ring`` otherwise (every process group: gloo on CPU,
-    NCCL). The choice depends on the device and the torch build only, so every
-    rank makes the same one (Invariant 2).
+    NCCL). Collectives under the size rule (Note [Size rule]) are issued plain.
+    The choice depends on the device, the torch build and the collective's
+    shape only, so every rank makes the same one (Invariant 2).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, min_fuse_bytes: int | None = None) -> None:
         if not isinstance(name, str):
             raise TypeError(
                 f"EagerMicroPipeline(backend=...) takes a backend name, got "
@@ -62,19 +95,39 @@ class BackendChoice:
             )
         if name != "auto" and name not in BACKENDS:
             raise ValueError(f"EagerMicroPipeline: unknown backend {name!r}; valid names: {_valid_names()}")
+        if min_fuse_bytes is not None and (
+            isinstance(min_fuse_bytes, bool) or not isinstance(min_fuse_bytes, int) or min_fuse_bytes < 0
+        ):
+            raise ValueError(
+                f"EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0 or None (the "
+                f"per-device default, eagertp.backends.MIN_FUSE_BYTES), got {min_fuse_bytes!r}"
+            )
         self.name = name
+        self.min_fuse_bytes = min_fuse_bytes
         self._instances = {key: cls() for key, cls in BACKENDS.items()}
 
-    def for_collective(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str | None]:
-        """The backend for a collective on ``t`` over ``group``, and a note for
-        ``explain()`` when ``auto`` could not use symmetric memory on CUDA."""
+    def for_collective(self, t: torch.Tensor, group: dist.ProcessGroup, kind: str, nbytes: int) -> Choice:
+        """How to issue a collective (``kind``: ``"all_gather"`` or
+        ``"reduce_scatter"``) on ``t`` over ``group`` whose per-rank buffer has
+        ``nbytes`` bytes."""
+        if self.name == "reference":
+            return Choice(self._instances["reference"], None, None)
+        threshold = self.min_fuse_bytes
+        if threshold is None:
+            threshold = MIN_FUSE_BYTES.get((t.device.type, kind), 0)
+        if nbytes < threshold:
+            why = (
+                f"size rule: {_bytes_str(nbytes)} per rank < min_fuse_bytes {_bytes_str(threshold)}, "
+                f"too small for overlap to pay; EagerMicroPipeline(min_fuse_bytes=...) changes it"
+            )
+            return Choice(self._instances["reference"], None, why)
         if self.name == "auto":
             why_not = symm_mem.unavailable_reason(t, group)
             if why_not is None:
-                return self._instances["symm_mem"], None
+                return Choice(self._instances["symm_mem"], None, None)
             # Say why only where symmetric memory was a candidate (not for CPU tensors).
             candidate = t.is_cuda or symm_mem.static_reason(t) is None
-            return self._instances["ring"], (f"symm_mem unavailable: {why_not}" if candidate else None)
+            return Choice(self._instances["ring"], f"symm_mem unavailable: {why_not}" if candidate else None, None)
         if self.name == "symm_mem":
             why_not = symm_mem.unavailable_reason(t, group)
             if why_not is not None:
@@ -82,7 +135,14 @@ class BackendChoice:
                     f"EagerMicroPipeline(backend='symm_mem') cannot serve this collective: {why_not}. "
                     f"Use backend='ring' (any process group) or backend='auto' (symm_mem where it works)."
                 )
-        return self._instances[self.name], None
+        return Choice(self._instances[self.name], None, None)
+
+
+def _bytes_str(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
 
 
 def _valid_names() -> str:

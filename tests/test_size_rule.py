@@ -1,0 +1,125 @@
+"""The size rule (Note [Size rule] in eagertp/backends/__init__.py): collectives
+whose per-rank buffer is under ``min_fuse_bytes`` are issued plain, their
+matmuls after them, with the reason in ``explain()``; the rule depends on the
+collective's shape only, so ranks that fuse and ranks that do not still agree.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+from helpers import OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter
+
+from eagertp import EagerMicroPipeline
+
+SHARD = (4, 16)  # float32: 256 bytes per rank
+SHARD_BYTES = 4 * 16 * 4
+
+
+def _gather_mm_worker(rank, group, min_fuse_bytes):
+    x = integer_tensor(SHARD, torch.float32, seed=rank)
+    w = integer_tensor((SHARD[1], 8), torch.float32, seed=100)
+    expected = all_gather(x, group) @ w
+    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:
+        got = all_gather(x, group) @ w
+    return {"got": got, "expected": expected, "explain": pipe.explain(), **fusion_report(pipe, counter)}
+
+
+def _mm_scatter_worker(rank, group, min_fuse_bytes):
+    a = integer_tensor((2 * group.size(), 16), torch.float32, seed=rank)
+    w = integer_tensor((16, 32), torch.float32, seed=100)  # output chunk: 2 x 32 f32 = 256 bytes
+    expected = reduce_scatter(a @ w, group)
+    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:
+        got = reduce_scatter(a @ w, group)
+    return {"got": got, "expected": expected, "explain": pipe.explain(), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_size_rule_issues_a_small_all_gather_plain(pool, world):
+    for rank, r in enumerate(pool.run(_gather_mm_worker, world, SHARD_BYTES + 1)):
+        assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
+        assert r["stats"].get("all_gather_matmul", 0) == 0 and r["stats"]["unfused_all_gather"] == 1, r
+        assert r["plain_all_gathers"] == 1 and r["p2p_ops"] == 0, r
+        assert "not fused [reference; size rule]: size rule: 256 B per rank < min_fuse_bytes 257 B" in r["explain"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_size_rule_fuses_at_the_threshold(pool, world):
+    for rank, r in enumerate(pool.run(_gather_mm_worker, world, SHARD_BYTES)):
+        assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
+        assert r["stats"]["all_gather_matmul"] == 1 and r["plain_all_gathers"] == 0 and r["p2p_ops"] > 0, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_size_rule_issues_a_small_reduce_scatter_plain(pool, world):
+    for rank, r in enumerate(pool.run(_mm_scatter_worker, world, 257)):
+        assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
+        assert r["stats"].get("matmul_reduce_scatter", 0) == 0 and r["stats"]["unfused_reduce_scatter"] == 1, r
+        assert r["plain_reduce_scatters"] == 1 and r["p2p_ops"] == 0, r
+        assert "size rule: 256 B per rank < min_fuse_bytes 257 B" in r["explain"]
+    for rank, r in enumerate(pool.run(_mm_scatter_worker, world, 256)):
+        assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
+        assert r["stats"]["matmul_reduce_scatter"] == 1 and r["plain_reduce_scatters"] == 0, r
+
+
+def _default_worker(rank, group, default):
+    """min_fuse_bytes=None reads the per-device default when the collective is issued."""
+    from eagertp.backends import MIN_FUSE_BYTES
+
+    key = ("cpu", "all_gather")
+    saved = MIN_FUSE_BYTES[key]
+    MIN_FUSE_BYTES[key] = default
+    try:
+        return _gather_mm_worker(rank, group, None)
+    finally:
+        MIN_FUSE_BYTES[key] = saved
+
+
+def test_size_rule_default_is_per_device(pool):
+    for r in pool.run(_default_worker, 2, SHARD_BYTES + 1):
+        assert r["stats"]["unfused_all_gather"] == 1 and r["plain_all_gathers"] == 1, r
+    for r in pool.run(_default_worker, 2, 0):
+        assert r["stats"]["all_gather_matmul"] == 1 and r["plain_all_gathers"] == 0, r
+
+
+def _mixed_worker(rank, group):
+    """Rank 0 reads the gathered tensor before any matmul (so it has nothing to
+    fuse); the others fuse. Both sides of the size rule must pick one transport."""
+    x = integer_tensor(SHARD, torch.float32, seed=rank)
+    w = integer_tensor((SHARD[1], 8), torch.float32, seed=100)
+    expected = all_gather(x, group) @ w
+    results = []
+    for threshold in (SHARD_BYTES + 1, SHARD_BYTES):
+        with EagerMicroPipeline(min_fuse_bytes=threshold) as pipe:
+            g = all_gather(x, group)
+            if rank == 0:
+                g = g + 0  # reads it: issued alone
+            got = g @ w
+        results.append((torch.equal(got, expected), dict(pipe.stats)))
+    return results
+
+
+def test_size_rule_agrees_across_ranks_that_fuse_and_ranks_that_do_not(pool):
+    reports = pool.run(_mixed_worker, 4)
+    for rank, results in enumerate(reports):
+        assert all(ok for ok, _ in results), rank
+    small, large = reports[1]
+    assert small[1].get("all_gather_matmul", 0) == 0 and large[1]["all_gather_matmul"] == 1, reports[1]
+    assert reports[0][1][1].get("all_gather_matmul", 0) == 0, "rank 0 read the gather: nothing to fuse"
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1k", True])
+def test_min_fuse_bytes_rejects_bad_values(bad):
+    with pytest.raises(ValueError) as e:
+        EagerMicroPipeline(min_fuse_bytes=bad)
+    assert "takes a byte count >= 0 or None" in str(e.value) and repr(bad) in str(e.value)
+
+
+def test_min_fuse_bytes_error_text():
+    with pytest.raises(ValueError) as e:
+        EagerMicroPipeline(min_fuse_bytes=-1)
+    expecttest.assert_expected_inline(
+        str(e.value),
+        """EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0 or None (the per-device default, eagertp.backends.MIN_FUSE_BYTES), got -1""",
+    )
