@@ -333,6 +333,12 @@ class EagerMicroPipeline:
     ) -> torch.Tensor:
         """Defer a matmul: as a consumer of the pending gather it reads, or
         standalone (a reduce-scatter may follow: Note [Deferral boundary])."""
+        if not self._store.items and a.dim() == 2 and b.dim() == 2:
+            # Too small for any reduce-scatter of it to fuse: run it now
+            # (Note [Deferral boundary]). NB: the hot path of small matmuls.
+            never_fused = self._backend.min_bytes(a.device.type, "reduce_scatter")
+            if a.shape[0] * b.shape[1] * _MAX_ELEMENT_SIZE < never_fused:
+                return func(*args, **kwargs)
         out_dtype, rejected = _matmul_out_dtype(a, b, bias, scaled)
         if out_dtype is None:
             # Plain eager raises its own error, or (FP8 shapes the meta kernel's
@@ -578,6 +584,10 @@ class _EagerTPMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             handler = _passthrough
         return handler(pipeline, func, args, kwargs)
+
+
+# The widest element a matmul output may be cast to before a reduce-scatter.
+_MAX_ELEMENT_SIZE = 8
 
 
 def _has_dispatch_override(t: type) -> bool:

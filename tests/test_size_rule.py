@@ -123,3 +123,30 @@ def test_min_fuse_bytes_error_text():
         str(e.value),
         """EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0 or None (the per-device default, eagertp.backends.MIN_FUSE_BYTES), got -1""",
     )
+
+
+@pytest.mark.parametrize(
+    "n,deferred",
+    [(8, False), (128, False), (256, True)],  # outputs x 8 bytes: 512 B, 128 KiB, 512 KiB
+)
+def test_size_rule_runs_small_matmuls_at_once(n, deferred):
+    """Note [Deferral boundary]: with nothing pending, a matmul whose output (cast
+    to 8-byte elements) is under the reduce-scatter threshold can never feed a
+    fused reduce-scatter, so it is not deferred."""
+    a = integer_tensor((n, n), torch.float32, seed=0)
+    with EagerMicroPipeline(min_fuse_bytes=512 << 10) as pipe:
+        got = (a @ a).relu()
+    assert torch.equal(got, (a @ a).relu())
+    assert ("= mm(" in pipe.debug_string()) == deferred, pipe.debug_string()
+
+
+def test_every_matmul_defers_with_min_fuse_bytes_zero():
+    a = integer_tensor((8, 8), torch.float32, seed=0)
+    with EagerMicroPipeline(min_fuse_bytes=0) as pipe:
+        (a @ a).relu()
+    expecttest.assert_expected_inline(
+        pipe.debug_string(),
+        """\
+$0: f32[8, 8] = mm(f32[8, 8], f32[8, 8])
+flush: aten.relu.default read $0""",
+    )

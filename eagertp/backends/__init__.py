@@ -106,15 +106,22 @@ class BackendChoice:
         self.min_fuse_bytes = min_fuse_bytes
         self._instances = {key: cls() for key, cls in BACKENDS.items()}
 
+    def min_bytes(self, device_type: str, kind: str) -> int:
+        """The size rule's threshold for ``kind`` collectives on ``device_type``
+        (0 for the reference backend, which has no size rule)."""
+        if self.name == "reference":
+            return 0
+        if self.min_fuse_bytes is not None:
+            return self.min_fuse_bytes
+        return MIN_FUSE_BYTES.get((device_type, kind), 0)
+
     def for_collective(self, t: torch.Tensor, group: dist.ProcessGroup, kind: str, nbytes: int) -> Choice:
         """How to issue a collective (``kind``: ``"all_gather"`` or
         ``"reduce_scatter"``) on ``t`` over ``group`` whose per-rank buffer has
         ``nbytes`` bytes."""
         if self.name == "reference":
             return Choice(self._instances["reference"], None, None)
-        threshold = self.min_fuse_bytes
-        if threshold is None:
-            threshold = MIN_FUSE_BYTES.get((t.device.type, kind), 0)
+        threshold = self.min_bytes(t.device.type, kind)
         if nbytes < threshold:
             why = (
                 f"size rule: {_bytes_str(nbytes)} per rank < min_fuse_bytes {_bytes_str(threshold)}, "
