@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,13 +23,18 @@ def random_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(dtype)
 
 
+# funcol's names since torch 2.13; the older ones (same arguments) before.
+_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 def all_gather(x: torch.Tensor, group, gather_dim: int = 0) -> torch.Tensor:
-    return funcol.all_gather_single(x, gather_dim, group)
+    return _funcol_all_gather(x, gather_dim, group)
 
 
 def reduce_scatter(x: torch.Tensor, group, reduce_op: str = "sum", scatter_dim: int = 0) -> torch.Tensor:
     """funcol's reduce-scatter, waited: workers return plain tensors to the test."""
-    out = funcol.reduce_scatter_single(x, reduce_op, scatter_dim, group)
+    out = _funcol_reduce_scatter(x, reduce_op, scatter_dim, group)
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
@@ -87,3 +93,23 @@ def with_small_pieces(rank, group, worker, *args):
         return worker(rank, group, *args)
     finally:
         ring.MAX_PIECES, ring.PIECE_MIN_BYTES = saved
+
+
+def _cpu_scaled_mm_takes_rowwise_scales() -> bool:
+    """CPU ``_scaled_mm`` takes row-wise scales since torch 2.12; before, only
+    tensor-wise (plain eager raises, so there is nothing to compare against)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 16).to(torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+ROWWISE_SCALES = pytest.param(
+    "rowwise",
+    marks=pytest.mark.skipif(
+        not _cpu_scaled_mm_takes_rowwise_scales(), reason="this torch's CPU _scaled_mm takes tensor-wise scales only"
+    ),
+)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter
+from helpers import ROWWISE_SCALES, OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter
 from expecttest import assert_expected_inline
 
 from eagertp import EagerMicroPipeline
@@ -56,7 +56,7 @@ def _gather_scaled_worker(rank, group, scales, out_dtype_name, bias):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("scales", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("scales", ["tensorwise", ROWWISE_SCALES])
 @pytest.mark.parametrize("out_dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_all_gather_scaled_matmul(pool, world, scales, out_dtype, bias):
@@ -92,7 +92,7 @@ def _scaled_reduce_scatter_worker(rank, group, scales, scatter_dim):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("scales", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("scales", ["tensorwise", ROWWISE_SCALES])
 @pytest.mark.parametrize("scatter_dim", [0, 1], ids=["rows", "columns"])
 def test_scaled_matmul_reduce_scatter(pool, world, scales, scatter_dim):
     for r in pool.run(_scaled_reduce_scatter_worker, world, scales, scatter_dim):
