@@ -262,12 +262,15 @@ class EagerMicroPipeline:
         finally:
             self._issuing = False
 
-    def _issue(self, plan: Plan, unfused_reason: str) -> None:
-        """Run one collective's plan on the backend and account for it."""
+    def _issue(self, plan: Plan, unfused_reason: str) -> bool:
+        """Run one collective's plan on the backend and account for it; True if
+        it ran fused."""
         backend, note, too_small = self._backend.for_collective(plan.buffer, plan.group, plan.kind, plan.nbytes)
         label = backend.name if note is None else f"{backend.name}; {note}"
         fused = plan.fused and too_small is None
-        if plan.fused and not fused:
+        if too_small is not None:
+            # The size rule alone decides: nothing of this size fuses (and small
+            # matmuls were never deferred: Note [Deferral boundary]).
             unfused_reason, label = too_small, f"{label}; size rule"
         was_issuing, self._issuing = self._issuing, True
         try:
@@ -276,7 +279,7 @@ class EagerMicroPipeline:
             with torch.profiler.record_function(f"eagertp::{plan.name}"), torch._C._AutoDispatchBelowADInplaceOrView():
                 if self.verify:
                     _check_ranks_agree(plan.signature(), plan.group)
-                plan.run(backend)
+                plan.run(backend) if fused else plan.run_plain(backend)
                 if self.verify:
                     for what, got, want, exact in plan.checks():
                         _check_equal(what, got, want, plan.group, exact=exact)
@@ -291,6 +294,7 @@ class EagerMicroPipeline:
             self.stats[f"unfused_{plan.kind}"] += 1
             self._trace.mark_unfused(plan.record, unfused_reason, label)
         self._trace.event(f"{plan.render()} [{label}]")
+        return fused
 
     # -- deferral ----------------------------------------------------------
 
@@ -507,12 +511,12 @@ class EagerMicroPipeline:
             self._store.remove(product)
             self._flush(f"{func} issued")  # earlier work first: same collective order
             plan = ReduceScatterPlan(out, reduce_op, group, record, product=product, scatter_view=scatter_view)
-            self._issue(plan, "")
-            # NB: the producer computed only what the reduce-scatter needs. The
-            # program may still read the product's own output: it stays pending,
-            # computed in full only if something reads it, skipped otherwise.
-            product.absorbed = True
-            self._store.add_product(product)
+            if self._issue(plan, ""):
+                # NB: the producer computed only what the reduce-scatter needs. The
+                # program may still read the product's own output: it stays pending,
+                # computed in full only if something reads it, skipped otherwise.
+                product.absorbed = True
+                self._store.add_product(product)
             return out
         if self._store:
             self._flush(f"{func} issued")

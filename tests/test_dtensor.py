@@ -71,7 +71,7 @@ def _both(outer, inner):
 # The demo's model: eagertp.demo.TransformerBlock and tensor_parallel_plan.
 
 
-def _transformer_worker(rank, group, steps):
+def _transformer_worker(rank, group, steps, min_fuse_bytes=None):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -99,7 +99,7 @@ def _transformer_worker(rank, group, steps):
         return losses, grads, stats
 
     expected_losses, expected_grads, _ = train(None)
-    pipe = EagerMicroPipeline()
+    pipe = EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes)
     losses, grads, stats = train(pipe)
     return {
         "losses": (expected_losses, losses),
@@ -137,7 +137,7 @@ all_gather #3 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with 
 reduce_scatter(sum) #3 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with mm + mm + mm -> $27 [ring]""")
 
 
-def _autocast_transformer_worker(rank, group):
+def _autocast_transformer_worker(rank, group, min_fuse_bytes=None):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -155,12 +155,13 @@ def _autocast_transformer_worker(rank, group):
         return loss.detach(), [p.grad.full_tensor() for p in model.parameters()]
 
     expected = step(contextlib.nullcontext())
-    pipe = EagerMicroPipeline()
+    pipe = EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes)
     got = step(pipe)
     return {
         "loss": (expected[0], got[0]),
         "grads_close": [torch.allclose(g, e, rtol=2e-2, atol=1e-2) for g, e in zip(got[1], expected[1])],
         "stats": dict(pipe.stats),
+        "explain": pipe.explain(),
     }
 
 

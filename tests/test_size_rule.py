@@ -150,3 +150,30 @@ def test_every_matmul_defers_with_min_fuse_bytes_zero():
 $0: f32[8, 8] = mm(f32[8, 8], f32[8, 8])
 flush: aten.relu.default read $0""",
     )
+
+
+def test_size_rule_issues_a_whole_transformer_step_plain(pool):
+    """Every TP collective of the DTensor block (q/k/v on one gather, bias, the
+    weight-gradient contractions, a sum of three matmuls) under the size rule:
+    plain collectives, matmuls whole, the same losses and gradients."""
+    from test_dtensor import _transformer_worker
+
+    for r in pool.run(_transformer_worker, 2, 2, 1 << 30):
+        expected, got = r["losses"]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert all(r["grads_close"]), r["grads_close"]
+        for stats in r["stats"]:
+            assert stats == {"unfused_all_gather": 4, "unfused_reduce_scatter": 4}, stats
+        assert r["explain"].count("[reference; size rule]: size rule:") == 8, r["explain"]
+
+
+def test_size_rule_issues_an_autocast_transformer_step_plain(pool):
+    """The same under bf16 autocast: the gathered tensor's casts are filled by the
+    plain gather too."""
+    from test_dtensor import _autocast_transformer_worker
+
+    for r in pool.run(_autocast_transformer_worker, 2, 1 << 30):
+        torch.testing.assert_close(r["loss"][1], r["loss"][0], rtol=1e-3, atol=1e-3)
+        assert all(r["grads_close"]), r["grads_close"]
+        assert r["stats"] == {"unfused_all_gather": 4, "unfused_reduce_scatter": 4}, r
+        assert r["explain"].count("size rule") >= 8, r["explain"]
