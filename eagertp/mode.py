@@ -25,6 +25,7 @@ separate instances, and the inner one sees ops first.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import math
@@ -181,6 +182,11 @@ class EagerMicroPipeline:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        mode, self._mode = self._mode, None  # break the pipeline <-> mode cycle
+        assert mode is not None, "__exit__ without __enter__"
+        # NB: leave the mode first: what the last flush issues then dispatches
+        # straight to outer modes and kernels, not through our own pass-through.
+        mode.__exit__(None, None, None)
         try:
             reason = "block exited" if exc is None else f"block exited by {exc_type.__name__}"
             self._flush(reason)
@@ -189,10 +195,6 @@ class EagerMicroPipeline:
                 raise
             # The block's own exception is the one the user must see.
             log.exception("eagertp: flush while leaving the block after %r failed", exc)
-        finally:
-            mode, self._mode = self._mode, None  # break the pipeline <-> mode cycle
-            assert mode is not None, "__exit__ without __enter__"
-            mode.__exit__(None, None, None)
 
     # -- public API --------------------------------------------------------
 
@@ -262,30 +264,24 @@ class EagerMicroPipeline:
         finally:
             self._issuing = False
 
-    def _issue(self, plan: Plan, unfused_reason: str) -> bool:
-        """Run one collective's plan on the backend and account for it; True if
-        it ran fused."""
-        backend, note, too_small = self._backend.for_collective(plan.buffer, plan.group, plan.kind, plan.nbytes)
+    def _issue(self, plan: Plan, unfused_reason: str) -> None:
+        """Run one collective's plan on the backend and account for it."""
+        backend, note = self._backend.for_collective(plan.buffer, plan.group)
         label = backend.name if note is None else f"{backend.name}; {note}"
-        fused = plan.fused and too_small is None
-        if too_small is not None:
-            # The size rule alone decides: nothing of this size fuses (and small
-            # matmuls were never deferred: Note [Deferral boundary]).
-            unfused_reason, label = too_small, f"{label}; size rule"
         was_issuing, self._issuing = self._issuing, True
         try:
             # NB: placeholders are filled below autograd: tensors autograd saved for
             # backward are these same storages, and their version counters must not move.
-            with torch.profiler.record_function(f"eagertp::{plan.name}"), torch._C._AutoDispatchBelowADInplaceOrView():
+            with _profiler_range(f"eagertp::{plan.name}"), torch._C._AutoDispatchBelowADInplaceOrView():
                 if self.verify:
                     _check_ranks_agree(plan.signature(), plan.group)
-                plan.run(backend) if fused else plan.run_plain(backend)
+                plan.run(backend)
                 if self.verify:
                     for what, got, want, exact in plan.checks():
                         _check_equal(what, got, want, plan.group, exact=exact)
         finally:
             self._issuing = was_issuing
-        if fused:
+        if plan.fused:
             self.stats[plan.name] += 1
             if isinstance(plan, AllGatherMatmulPlan):
                 self.stats["fused_matmuls"] += len(plan.gather.consumers)
@@ -294,7 +290,6 @@ class EagerMicroPipeline:
             self.stats[f"unfused_{plan.kind}"] += 1
             self._trace.mark_unfused(plan.record, unfused_reason, label)
         self._trace.event(f"{plan.render()} [{label}]")
-        return fused
 
     # -- deferral ----------------------------------------------------------
 
@@ -492,13 +487,11 @@ class EagerMicroPipeline:
         world = group.size()
         if reduce_op not in REDUCE_OPS or inp.dim() == 0 or inp.shape[0] % world:
             # Plain eager either runs it (an op we have no ring for) or raises.
-            if self._store:
-                self._flush(f"{func} issued")
-            result = func(*args, **kwargs)
-            record = self._new_reduce_scatter_record(reduce_op, inp, out if out is not None else result, group)
-            self.stats["unfused_reduce_scatter"] += 1
-            self._trace.mark_unfused(record, f"reduce_op {reduce_op!r} has no point-to-point implementation")
-            return result
+            why = f"reduce_op {reduce_op!r} has no point-to-point implementation"
+            return self._issue_as_is(func, args, kwargs, f"reduce_scatter({reduce_op})", inp, group, why)
+        too_small = self._backend.size_rule(inp.device.type, "reduce_scatter", inp.nbytes // world)
+        if too_small is not None:
+            return self._issue_as_is(func, args, kwargs, f"reduce_scatter({reduce_op})", inp, group, too_small)
         if out is None:
             out = self._placeholder(inp, (inp.shape[0] // world, *inp.shape[1:]))
         record = self._new_reduce_scatter_record(reduce_op, inp, out, group)
@@ -511,12 +504,12 @@ class EagerMicroPipeline:
             self._store.remove(product)
             self._flush(f"{func} issued")  # earlier work first: same collective order
             plan = ReduceScatterPlan(out, reduce_op, group, record, product=product, scatter_view=scatter_view)
-            if self._issue(plan, ""):
-                # NB: the producer computed only what the reduce-scatter needs. The
-                # program may still read the product's own output: it stays pending,
-                # computed in full only if something reads it, skipped otherwise.
-                product.absorbed = True
-                self._store.add_product(product)
+            self._issue(plan, "")
+            # NB: the producer computed only what the reduce-scatter needs. The
+            # program may still read the product's own output: it stays pending,
+            # computed in full only if something reads it, skipped otherwise.
+            product.absorbed = True
+            self._store.add_product(product)
             return out
         if self._store:
             self._flush(f"{func} issued")
@@ -551,6 +544,20 @@ class EagerMicroPipeline:
         self._store.add_product(total)
         self._trace.event(total.render())
         return total.out.view(x.shape)
+
+    def _issue_as_is(
+        self, func, args: tuple, kwargs: dict, kind: str, src: torch.Tensor, group: dist.ProcessGroup, reason: str
+    ) -> Any:
+        """Run a collective exactly as the program issued it (after everything
+        pending: collective order) and record why it was not fused."""
+        if self._store:
+            self._flush(f"{func} issued")
+        result = func(*args, **kwargs)
+        dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
+        record = self._trace.new_collective(kind, src=tensor_str(src), dst=tensor_str(dst), group=group_str(group))
+        self.stats[f"unfused_{kind.split('(')[0]}"] += 1
+        self._trace.mark_unfused(record, reason)
+        return result
 
     def _new_reduce_scatter_record(
         self, reduce_op: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
@@ -588,6 +595,12 @@ class _EagerTPMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             handler = _passthrough
         return handler(pipeline, func, args, kwargs)
+
+
+def _profiler_range(name: str) -> contextlib.AbstractContextManager:
+    """A named range in profiler traces; nothing (not even two dispatched ops)
+    when no profiler runs."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 # The widest element a matmul output may be cast to before a reduce-scatter.
@@ -703,6 +716,9 @@ def _all_gather(p: EagerMicroPipeline, func, args, kwargs):
     group = _managed_group(p, func, group_size, group_name)
     if group is None:
         return func(*args, **kwargs)
+    too_small = p._backend.size_rule(shard.device.type, "all_gather", shard.nbytes)
+    if too_small is not None:
+        return p._issue_as_is(func, args, kwargs, "all_gather", shard, group, too_small)
     if p._store:
         p._flush(f"{func} issued")  # Note [Deferral boundary]: one pending collective
     return p._defer_gather(shard, group)
@@ -792,6 +808,9 @@ def _c10d_all_gather(p: EagerMicroPipeline, func, args, kwargs):
     world = group.size()
     if shard.dim() == 0 or not output.is_contiguous() or output.numel() != world * shard.numel():
         return _passthrough(p, func, args, kwargs)  # plain eager accepts it or raises
+    too_small = p._backend.size_rule(shard.device.type, "all_gather", shard.nbytes)
+    if too_small is not None:
+        return p._issue_as_is(func, args, kwargs, "all_gather", shard, group, too_small)
     if p._store:
         p._flush(f"{func} issued")  # Note [Deferral boundary]: one pending collective
     p._defer_gather(shard, group, out=output.view(world * shard.shape[0], *shard.shape[1:]))

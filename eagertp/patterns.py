@@ -61,31 +61,12 @@ class AllGatherMatmulPlan:
         """A tensor of the collective (its device picks the backend)."""
         return self.gather.shard
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes per rank (what the size rule sees: Note [Size rule])."""
-        return self.gather.shard.numel() * self.gather.shard.element_size()
-
     def fused_with(self) -> list[str]:
         return [mm.describe() for mm in self.gather.consumers]
 
     def run(self, backend: Backend) -> None:
         g = self.gather
         backend.all_gather_consume(g.shard, self.consumer(), g.out, g.group)
-
-    def run_plain(self, backend: Backend) -> None:
-        """Unfused, as plain eager runs it: the gather alone (filling its views),
-        then every matmul on the whole gathered tensor (the size rule)."""
-        g = self.gather
-        fills = [view.fill for view in g.views[1:]]
-
-        def fill_views(piece: torch.Tensor, src: int, rows: slice) -> None:
-            for fill in fills:
-                fill(piece, src, rows)
-
-        backend.all_gather_consume(g.shard, fill_views if fills else None, g.out, g.group)
-        for mm in g.consumers:
-            mm.compute(*_whole_operands(mm, mm.view.tensor), mm.out)
 
     def signature(self) -> str:
         """What every rank must agree on for the messages to match."""
@@ -174,31 +155,12 @@ class ReduceScatterPlan:
         """A tensor of the collective (its device picks the backend)."""
         return self.out
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes per rank (what the size rule sees: Note [Size rule])."""
-        return self.out.numel() * self.out.element_size()
-
     def fused_with(self) -> list[str]:
         assert self.product is not None, "an unfused reduce-scatter fused with nothing"
         return [self.product.describe()]
 
     def run(self, backend: Backend) -> None:
         backend.produce_reduce_scatter(self.producer(), self.out, self.group, self.reduce_op)
-
-    def run_plain(self, backend: Backend) -> None:
-        """Unfused, as plain eager runs it: the whole matmul into its own
-        output, then the collective on it (the size rule)."""
-        if self.product is None:
-            self.run(backend)
-            return
-        self.product.issue_standalone()
-        full = self.product.out
-        sv = self.scatter_view
-        if sv is not None:
-            full = torch.cat(full.view(sv.shape).chunk(sv.world, sv.dim), 0)
-        chunks = full.reshape(self.group.size(), *self.out.shape)
-        backend.produce_reduce_scatter(_copy_chunks(chunks), self.out, self.group, self.reduce_op)
 
     def signature(self) -> str:
         """What every rank must agree on for the messages to match."""

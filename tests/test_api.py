@@ -33,8 +33,8 @@ def test_backend_names():
 def test_auto_serves_cpu_tensors_with_the_ring():
     from eagertp.backends import BackendChoice
 
-    choice = BackendChoice("auto").for_collective(torch.ones(1), group=None, kind="all_gather", nbytes=1 << 20)  # no probe on CPU
-    assert choice.backend.name == "ring" and choice.note is None and choice.unfused_reason is None
+    backend, note = BackendChoice("auto").for_collective(torch.ones(1), group=None)  # no probe on CPU
+    assert backend.name == "ring" and note is None
 
 
 def test_group_must_be_a_process_group():

@@ -40,7 +40,7 @@ def _row_parallel(h, w, group, *, async_op, op=dist.ReduceOp.SUM, api="reduce_sc
     return out
 
 
-def _megatron_worker(rank, group, async_op, api):
+def _megatron_worker(rank, group, async_op, api, min_fuse_bytes=None):
     x = integer_tensor((4, 8), torch.float32, seed=rank)
     w1 = integer_tensor((8, 6), torch.float32, seed=10 + rank)
     w2 = integer_tensor((6, 8), torch.float32, seed=20 + rank)
@@ -52,7 +52,7 @@ def _megatron_worker(rank, group, async_op, api):
 
     # NB: gloo rejects the stacked output form NCCL accepts; eagertp takes both.
     expected = mlp("all_gather_into_tensor" if api == "stacked" else api)
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:
         got = mlp(api)
     return {"ok": torch.equal(got, expected), "explain": pipe.explain(), **fusion_report(pipe, counter)}
 

@@ -27,8 +27,6 @@ collective alone interoperates with a peer that fuses it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 
@@ -38,7 +36,7 @@ from eagertp.backends.ring import RingBackend
 from eagertp.backends import symm_mem
 from eagertp.backends.symm_mem import SymmMemBackend
 
-__all__ = ["BACKENDS", "MIN_FUSE_BYTES", "Backend", "BackendChoice", "Choice", "ChunkConsumer", "ChunkProducer"]
+__all__ = ["BACKENDS", "MIN_FUSE_BYTES", "Backend", "BackendChoice", "ChunkConsumer", "ChunkProducer"]
 
 BACKENDS: dict[str, type[Backend]] = {
     "ring": RingBackend,
@@ -49,11 +47,13 @@ BACKENDS: dict[str, type[Backend]] = {
 
 # Note [Size rule]
 # A collective whose per-rank buffer (the all-gather's shard, the reduce-scatter's
-# output chunk) is smaller than MIN_FUSE_BYTES[device, kind] is issued plain (the
-# reference backend) and its matmuls run after it: a pipelined call pays fixed
-# costs (a point-to-point message per step each way, a Python callback per
-# chunk, W smaller matmuls, ~0.5 ms in all on CPU) that overlap cannot win back
-# on a small transfer. The CPU values are the measured crossovers over gloo, on
+# output chunk) is smaller than MIN_FUSE_BYTES[device, kind] is not deferred: the
+# mode issues it exactly as the program did, at once, and records why (matmuls
+# that could only feed such a reduce-scatter are not deferred either: Note
+# [Deferral boundary]). A pipelined call pays fixed costs (a point-to-point
+# message per step each way, a Python callback per chunk, W smaller matmuls,
+# deferral itself: ~0.5 ms in all on CPU) that overlap cannot win back on a
+# small transfer. The CPU values are the measured crossovers over gloo, on
 # plain and on rate-limited loopback (benchmarks/NOTES.md, "Size rule"); the
 # reduce-scatter's is lower because the ring's single message per step beats
 # gloo's own reduce-scatter. The rule sees the collective's shape only, never
@@ -66,14 +66,6 @@ MIN_FUSE_BYTES: dict[tuple[str, str], int] = {
     ("cuda", "all_gather"): 0,
     ("cuda", "reduce_scatter"): 0,
 }
-
-
-class Choice(NamedTuple):
-    """How one collective is issued."""
-
-    backend: Backend
-    note: str | None  # for explain(): why ``auto`` did not pick symm_mem, where it could have
-    unfused_reason: str | None  # set when the size rule issues it plain
 
 
 class BackendChoice:
@@ -115,26 +107,27 @@ class BackendChoice:
             return self.min_fuse_bytes
         return MIN_FUSE_BYTES.get((device_type, kind), 0)
 
-    def for_collective(self, t: torch.Tensor, group: dist.ProcessGroup, kind: str, nbytes: int) -> Choice:
-        """How to issue a collective (``kind``: ``"all_gather"`` or
-        ``"reduce_scatter"``) on ``t`` over ``group`` whose per-rank buffer has
-        ``nbytes`` bytes."""
-        if self.name == "reference":
-            return Choice(self._instances["reference"], None, None)
-        threshold = self.min_bytes(t.device.type, kind)
-        if nbytes < threshold:
-            why = (
-                f"size rule: {_bytes_str(nbytes)} per rank < min_fuse_bytes {_bytes_str(threshold)}, "
-                f"too small for overlap to pay; EagerMicroPipeline(min_fuse_bytes=...) changes it"
-            )
-            return Choice(self._instances["reference"], None, why)
+    def size_rule(self, device_type: str, kind: str, nbytes: int) -> str | None:
+        """Why a ``kind`` collective with ``nbytes`` per rank is issued as the
+        program wrote it (Note [Size rule]), or None if it may fuse."""
+        threshold = self.min_bytes(device_type, kind)
+        if nbytes >= threshold:
+            return None
+        return (
+            f"size rule: {_bytes_str(nbytes)} per rank < min_fuse_bytes {_bytes_str(threshold)}, "
+            f"too small for overlap to pay; EagerMicroPipeline(min_fuse_bytes=...) changes it"
+        )
+
+    def for_collective(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str | None]:
+        """The backend for a collective on ``t`` over ``group``, and a note for
+        ``explain()`` when ``auto`` could not use symmetric memory on CUDA."""
         if self.name == "auto":
             why_not = symm_mem.unavailable_reason(t, group)
             if why_not is None:
-                return Choice(self._instances["symm_mem"], None, None)
+                return self._instances["symm_mem"], None
             # Say why only where symmetric memory was a candidate (not for CPU tensors).
             candidate = t.is_cuda or symm_mem.static_reason(t) is None
-            return Choice(self._instances["ring"], f"symm_mem unavailable: {why_not}" if candidate else None, None)
+            return self._instances["ring"], (f"symm_mem unavailable: {why_not}" if candidate else None)
         if self.name == "symm_mem":
             why_not = symm_mem.unavailable_reason(t, group)
             if why_not is not None:
@@ -142,7 +135,7 @@ class BackendChoice:
                     f"EagerMicroPipeline(backend='symm_mem') cannot serve this collective: {why_not}. "
                     f"Use backend='ring' (any process group) or backend='auto' (symm_mem where it works)."
                 )
-        return Choice(self._instances[self.name], None, None)
+        return self._instances[self.name], None
 
 
 def _bytes_str(n: int) -> str:
