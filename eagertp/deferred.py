@@ -17,9 +17,9 @@ is pending at a time and collectives are issued in program order on every rank
 
 Every ``mm``/``addmm``/``_scaled_mm`` is deferred: a reduce-scatter may follow.
 Except, while nothing is pending, a matmul whose output is too small for the
-size rule (Note [Size rule]) to fuse any reduce-scatter of it, even after a cast
-to 8-byte elements and on a group of one: it runs at once, as in plain eager,
-since deferring it could only cost (~30 us of Python per matmul).
+size rule (Note [Size rule]) to fuse any reduce-scatter of it, even as float32
+and on a group of one: it runs at once, as in plain eager, since deferring it
+could only cost (~30 us of Python per matmul).
 A product whose fused consumer already took what it needed (a reduce-scatter's
 producer, a longer sum) stays pending as *absorbed*: computed in full if the
 program reads it, skipped at a flush when nothing can reach it (``_unobserved``).

@@ -336,7 +336,7 @@ class EagerMicroPipeline:
             # Too small for any reduce-scatter of it to fuse: run it now
             # (Note [Deferral boundary]). NB: the hot path of small matmuls.
             never_fused = self._backend.min_bytes(a.device.type, "reduce_scatter")
-            if a.shape[0] * b.shape[1] * _MAX_ELEMENT_SIZE < never_fused:
+            if a.shape[0] * b.shape[1] * _WIDEST_CAST < never_fused:
                 return func(*args, **kwargs)
         out_dtype, rejected = _matmul_out_dtype(a, b, bias, scaled)
         if out_dtype is None:
@@ -603,8 +603,10 @@ def _profiler_range(name: str) -> contextlib.AbstractContextManager:
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
-# The widest element a matmul output may be cast to before a reduce-scatter.
-_MAX_ELEMENT_SIZE = 8
+# Bytes per element of the widest output a fused reduce-scatter takes from a
+# matmul: float32, also after autocast's cast of a half-precision one. (A cast
+# to float64 of a matmul small by this bound is issued unfused: still right.)
+_WIDEST_CAST = 4
 
 
 def _has_dispatch_override(t: type) -> bool:

@@ -127,14 +127,14 @@ def test_min_fuse_bytes_error_text():
 
 @pytest.mark.parametrize(
     "n,deferred",
-    [(8, False), (128, False), (256, True)],  # outputs x 8 bytes: 512 B, 128 KiB, 512 KiB
+    [(8, False), (256, False), (512, True)],  # outputs as float32: 256 B, 256 KiB, 1 MiB
 )
 def test_size_rule_runs_small_matmuls_at_once(n, deferred):
-    """Note [Deferral boundary]: with nothing pending, a matmul whose output (cast
-    to 8-byte elements) is under the reduce-scatter threshold can never feed a
-    fused reduce-scatter, so it is not deferred."""
+    """Note [Deferral boundary]: with nothing pending, a matmul whose output (as
+    float32) is under the reduce-scatter threshold can never feed a fused
+    reduce-scatter, so it is not deferred."""
     a = integer_tensor((n, n), torch.float32, seed=0)
-    with EagerMicroPipeline(min_fuse_bytes=512 << 10) as pipe:
+    with EagerMicroPipeline(min_fuse_bytes=1 << 20) as pipe:
         got = (a @ a).relu()
     assert torch.equal(got, (a @ a).relu())
     assert ("= mm(" in pipe.debug_string()) == deferred, pipe.debug_string()
