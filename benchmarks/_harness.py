@@ -4,7 +4,8 @@ rate-limited loopback in a fresh network namespace), timing, and output.
 Timing: every sample is taken on all ranks between barriers, and the slowest
 rank's time counts (a collective is as fast as its slowest member). Reported
 numbers are medians over ``--repeats`` samples after ``--warmup`` unrecorded
-ones. Compare ratios taken in the same run: these machines are shared.
+ones, the variants of one measurement sampled round-robin. Compare ratios taken
+in the same run: these machines are shared.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -68,8 +70,6 @@ def _entry(rank, world, port, args, worker, results) -> None:
     import torch
     import torch.distributed as dist
 
-    import warnings
-
     warnings.simplefilter("ignore", FutureWarning)  # funcol's deprecations, once per rank otherwise
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -115,17 +115,13 @@ def _run_in_shaped_netns(args: argparse.Namespace) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def timeit(fn: Callable[[], Any], group, *, repeats: int, warmup: int) -> float:
-    """Median over samples of the slowest rank's seconds for ``fn()``."""
-    return time_interleaved({"t": fn}, group, repeats=repeats, warmup=warmup)["t"]
-
-
 def time_interleaved(fns: dict[str, Callable[[], Any]], group, *, repeats: int, warmup: int) -> dict[str, float]:
-    """Like :func:`timeit` for several functions, sampled round-robin.
+    """For each function, the median over samples of the slowest rank's seconds.
 
-    Round ``i`` runs every function once, starting at a different one each
-    round, so that drift on a shared machine (another tenant, frequency
-    changes) lands on all of them alike and their ratios stay meaningful.
+    Sampled round-robin: round ``i`` runs every function once, starting at a
+    different one each round, so that drift on a shared machine (another
+    tenant, frequency changes) lands on all of them alike and their ratios stay
+    meaningful.
     """
     import torch
     import torch.distributed as dist
@@ -162,8 +158,6 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 @contextlib.contextmanager
 def quiet_warnings():
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         yield

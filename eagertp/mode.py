@@ -124,8 +124,8 @@ class EagerMicroPipeline:
             unfilled placeholder that escaped would show up as NaN).
         min_fuse_bytes: fuse a collective only if its per-rank buffer (the
             all-gather's shard, the reduce-scatter's output) has at least this
-            many bytes; smaller ones are issued plain, their matmuls after them,
-            and ``explain()`` says so. Default (``None``): per device,
+            many bytes; smaller ones are not deferred but issued as the program
+            wrote them, and ``explain()`` says so. Default (``None``): per device,
             ``eagertp.backends.MIN_FUSE_BYTES`` (on CPU, measured: 1 MiB for
             all-gathers, 512 KiB for reduce-scatters; 0 on CUDA). ``0`` fuses
             every size.
