@@ -56,7 +56,7 @@ from eagertp.deferred import (
     storage_key,
     tensor_leaves,
 )
-from eagertp.patterns import AllGatherMatmulPlan, Plan, ReduceScatterPlan
+from eagertp.patterns import AllGatherMatmulPlan, Plan, ReduceScatterPlan, gather_signature, scatter_signature
 from eagertp.trace import CollectiveRecord, Meta, Reason, Trace
 
 __all__ = ["EagerMicroPipeline", "VerificationError"]
@@ -485,13 +485,17 @@ class EagerMicroPipeline:
         the pending product that makes its input where there is one. ``out`` is
         the caller's output buffer (raw c10d), else a new tensor is returned."""
         world = group.size()
+        kind = f"reduce_scatter({reduce_op})"
         if reduce_op not in REDUCE_OPS or inp.dim() == 0 or inp.shape[0] % world:
             # Plain eager either runs it (an op we have no ring for) or raises.
             why = f"reduce_op {reduce_op!r} has no point-to-point implementation"
-            return self._issue_as_is(func, args, kwargs, f"reduce_scatter({reduce_op})", inp, group, why)
+            signature = scatter_signature(reduce_op, f"{world} ranks from {tensor_str(inp)}")
+            return self._issue_as_is(func, args, kwargs, kind, inp, group, why, signature)
         too_small = self._backend.size_rule(inp.device.type, "reduce_scatter", inp.nbytes // world)
         if too_small is not None:
-            return self._issue_as_is(func, args, kwargs, f"reduce_scatter({reduce_op})", inp, group, too_small)
+            out_str = f"{dtype_str(inp.dtype)}{[inp.shape[0] // world, *inp.shape[1:]]}"  # as tensor_str(out)
+            signature = scatter_signature(reduce_op, out_str)
+            return self._issue_as_is(func, args, kwargs, kind, inp, group, too_small, signature)
         if out is None:
             out = self._placeholder(inp, (inp.shape[0] // world, *inp.shape[1:]))
         record = self._new_reduce_scatter_record(reduce_op, inp, out, group)
@@ -546,12 +550,23 @@ class EagerMicroPipeline:
         return total.out.view(x.shape)
 
     def _issue_as_is(
-        self, func, args: tuple, kwargs: dict, kind: str, src: torch.Tensor, group: dist.ProcessGroup, reason: str
+        self,
+        func,
+        args: tuple,
+        kwargs: dict,
+        kind: str,
+        src: torch.Tensor,
+        group: dist.ProcessGroup,
+        reason: str,
+        signature: str,
     ) -> Any:
         """Run a collective exactly as the program issued it (after everything
-        pending: collective order) and record why it was not fused."""
+        pending: collective order) and record why it was not fused. ``signature``
+        is what ``verify=True`` compares across ranks first, as for a plan."""
         if self._store:
             self._flush(f"{func} issued")
+        if self.verify:
+            _check_ranks_agree(signature, group)
         result = func(*args, **kwargs)
         dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
         record = self._trace.new_collective(kind, src=tensor_str(src), dst=tensor_str(dst), group=group_str(group))
@@ -720,7 +735,7 @@ def _all_gather(p: EagerMicroPipeline, func, args, kwargs):
         return func(*args, **kwargs)
     too_small = p._backend.size_rule(shard.device.type, "all_gather", shard.nbytes)
     if too_small is not None:
-        return p._issue_as_is(func, args, kwargs, "all_gather", shard, group, too_small)
+        return p._issue_as_is(func, args, kwargs, "all_gather", shard, group, too_small, gather_signature(shard))
     if p._store:
         p._flush(f"{func} issued")  # Note [Deferral boundary]: one pending collective
     return p._defer_gather(shard, group)
@@ -812,7 +827,7 @@ def _c10d_all_gather(p: EagerMicroPipeline, func, args, kwargs):
         return _passthrough(p, func, args, kwargs)  # plain eager accepts it or raises
     too_small = p._backend.size_rule(shard.device.type, "all_gather", shard.nbytes)
     if too_small is not None:
-        return p._issue_as_is(func, args, kwargs, "all_gather", shard, group, too_small)
+        return p._issue_as_is(func, args, kwargs, "all_gather", shard, group, too_small, gather_signature(shard))
     if p._store:
         p._flush(f"{func} issued")  # Note [Deferral boundary]: one pending collective
     p._defer_gather(shard, group, out=output.view(world * shard.shape[0], *shard.shape[1:]))

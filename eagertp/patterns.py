@@ -70,7 +70,7 @@ class AllGatherMatmulPlan:
 
     def signature(self) -> str:
         """What every rank must agree on for the messages to match."""
-        return f"all_gather of {tensor_str(self.gather.shard)}"
+        return gather_signature(self.gather.shard)
 
     def checks(self) -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
         """(what, got, plain eager, exact?) for every tensor this plan wrote."""
@@ -164,7 +164,7 @@ class ReduceScatterPlan:
 
     def signature(self) -> str:
         """What every rank must agree on for the messages to match."""
-        return f"reduce_scatter({self.reduce_op}) to {tensor_str(self.out)}"
+        return scatter_signature(self.reduce_op, tensor_str(self.out))
 
     def checks(self) -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
         what = f"reduce_scatter({self.reduce_op}) -> {tensor_str(self.out)} on {group_str(self.group)}"
@@ -232,6 +232,16 @@ class ReduceScatterPlan:
 
 
 Plan = AllGatherMatmulPlan | ReduceScatterPlan
+
+
+def gather_signature(shard: torch.Tensor) -> str:
+    """An all-gather as ``verify=True`` compares it across ranks."""
+    return f"all_gather of {tensor_str(shard)}"
+
+
+def scatter_signature(reduce_op: str, out: str) -> str:
+    """A reduce-scatter (to ``out``, rendered) as ``verify=True`` compares it."""
+    return f"reduce_scatter({reduce_op}) to {out}"
 
 
 def _copy_chunks(chunks: torch.Tensor) -> ChunkProducer:

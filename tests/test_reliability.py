@@ -18,10 +18,10 @@ from eagertp import EagerMicroPipeline, VerificationError
 # -- mismatched collectives ----------------------------------------------------------
 
 
-def _mismatch_worker(rank, group, verify):
+def _mismatch_worker(rank, group, verify, min_fuse_bytes=None):
     x = torch.ones(2 + rank, 4)  # rank r gathers 2 + r rows: a program bug
     try:
-        with EagerMicroPipeline(verify=verify):
+        with EagerMicroPipeline(verify=verify, min_fuse_bytes=min_fuse_bytes):
             y = all_gather(x, group) @ torch.ones(4, 3)
             y.sum()
     except VerificationError as e:
@@ -36,6 +36,16 @@ def test_verify_names_mismatched_shapes_on_every_rank(pool):
         messages[0],
         """eagertp verify: ranks of group '2' (2 ranks) issue different collectives at the same point (rank 0: all_gather of f32[2, 4]; rank 1: all_gather of f32[3, 4]). Every rank must issue the same collectives with the same shapes in the same order.""",
     )
+
+
+@pytest.mark.parametrize("min_fuse_bytes", [64, 40], ids=["both_plain", "one_plain"])
+def test_verify_names_mismatched_shapes_under_the_size_rule(pool, min_fuse_bytes):
+    """Shards of 32 and 48 bytes: under the size rule on both ranks, or on rank 0
+    only (so rank 0 issues it at once while rank 1 defers it). verify still
+    stops both with the same message before any data moves."""
+    messages = pool.run(_mismatch_worker, 2, True, min_fuse_bytes)
+    assert messages[0] == messages[1]
+    assert "(rank 0: all_gather of f32[2, 4]; rank 1: all_gather of f32[3, 4])" in messages[0], messages[0]
 
 
 def test_mismatched_shapes_without_verify_fail_like_plain_eager(pool):

@@ -26,11 +26,11 @@ def _gather_mm_worker(rank, group, min_fuse_bytes):
     return {"got": got, "expected": expected, "explain": pipe.explain(), **fusion_report(pipe, counter)}
 
 
-def _mm_scatter_worker(rank, group, min_fuse_bytes):
+def _mm_scatter_worker(rank, group, min_fuse_bytes, verify=False):
     a = integer_tensor((2 * group.size(), 16), torch.float32, seed=rank)
     w = integer_tensor((16, 32), torch.float32, seed=100)  # output chunk: 2 x 32 f32 = 256 bytes
     expected = reduce_scatter(a @ w, group)
-    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes, verify=verify) as pipe:
         got = reduce_scatter(a @ w, group)
     return {"got": got, "expected": expected, "explain": pipe.explain(), **fusion_report(pipe, counter)}
 
@@ -61,6 +61,14 @@ def test_size_rule_issues_a_small_reduce_scatter_plain(pool, world):
     for rank, r in enumerate(pool.run(_mm_scatter_worker, world, 256)):
         assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
         assert r["stats"]["matmul_reduce_scatter"] == 1 and r["plain_reduce_scatters"] == 0, r
+
+
+@pytest.mark.parametrize("min_fuse_bytes", [257, 256], ids=["plain", "fused"])
+def test_size_rule_under_verify(pool, min_fuse_bytes):
+    """verify=True checks the ranks agree on collectives the size rule issues as
+    written too (no false alarm when they do)."""
+    for rank, r in enumerate(pool.run(_mm_scatter_worker, 2, min_fuse_bytes, True)):
+        assert torch.equal(r["got"], r["expected"]), f"rank {rank}"
 
 
 def _default_worker(rank, group, default):
