@@ -8,7 +8,8 @@ one tensor, reads and flushes mix freely; reads and flushes may happen on one
 rank only, which is exactly what schedule invariance must survive. Weights are
 signed permutations, so values stay integers below 3**10 and plain eager and
 eagertp must agree bitwise; half the programs run under bf16 autocast, where
-both round the same values the same way.
+both round the same values the same way. The size rule's threshold is drawn too,
+so fused, deferred-then-plain and never-deferred collectives mix.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def programs(draw) -> list[str]:
     return steps
 
 
-def _run_program(rank, group, steps, autocast=False):
+def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0):
     import torch.nn.functional as F
     from helpers import all_gather, integer_tensor, reduce_scatter
 
@@ -91,14 +92,23 @@ def _run_program(rank, group, steps, autocast=False):
     precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with precision:
         expected = execute(None)
-    pipe = EagerMicroPipeline(poison=True)
+    pipe = EagerMicroPipeline(poison=True, min_fuse_bytes=min_fuse_bytes)
     with precision, pipe:
         got = execute(pipe)
     return {"equal": torch.equal(got, expected), "explain": pipe.explain()}
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=programs(), autocast=st.booleans())
-def test_random_programs_match_plain_eager(pool, steps, autocast):
-    for rank, r in enumerate(pool.run(_run_program, 2, steps, autocast, timeout=30)):
-        assert r["equal"], f"rank {rank} differs from plain eager for {steps} (autocast={autocast}):\n{r['explain']}"
+# Per-rank buffers are 192 bytes (float32) or 96 (bf16): the size rule fuses
+# everything (0), only float32 (100), nothing (200), and with 200 it also runs
+# the small matmuls at once instead of deferring them.
+MIN_FUSE_BYTES = [0, 100, 200]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES))
+def test_random_programs_match_plain_eager(pool, steps, autocast, min_fuse_bytes):
+    for rank, r in enumerate(pool.run(_run_program, 2, steps, autocast, min_fuse_bytes, timeout=30)):
+        assert r["equal"], (
+            f"rank {rank} differs from plain eager for {steps} (autocast={autocast}, "
+            f"min_fuse_bytes={min_fuse_bytes}):\n{r['explain']}"
+        )
