@@ -18,6 +18,7 @@ partial products accumulated).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import _harness
@@ -130,6 +131,21 @@ def efficiency(r: dict) -> float:
     return (r["t_unfused"] - r["t_fused"]) / saving if saving > 0 else float("nan")
 
 
+def summary(results: list[dict]) -> str:
+    """The issue's two per-op targets, read off this run: E where comm and mm
+    balance (the row with comm/mm nearest 1, per op), and the slowest row."""
+    lines = []
+    for op in dict.fromkeys(r["op"] for r in results):
+        rows = [r for r in results if r["op"] == op]
+        r = min(rows, key=lambda r: abs(math.log(r["comm_over_mm"])))
+        lines.append(f"  {op}: E = {r['efficiency']:.2f} at N={r['N']} (comm/mm {r['comm_over_mm']:.2f})")
+    worst = min(results, key=lambda r: r["speedup"])
+    lines.append(
+        f"  slowest: {worst['op']} N={worst['N']} ({worst['path']}) at {worst['speedup']:.2f}x of unfused"
+    )
+    return "balance point and slowest row:\n" + "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     with _harness.quiet_warnings():
@@ -161,6 +177,7 @@ def main(argv=None) -> int:
             ],
         )
     )
+    print(summary(results))
     _harness.write_json(args.json, {"link": link, "results": results})
     if args.plot:
         _plot(results, args.plot)
