@@ -43,7 +43,7 @@ class WorkerDied(RuntimeError):
 
 def fuse_every_size() -> None:
     """Tests prove fusion on small shapes, which the size rule (Note [Size rule])
-    would issue plain; its own tests pass ``min_fuse_bytes`` explicitly."""
+    would issue as written; its own tests pass ``min_fuse_bytes`` explicitly."""
     from eagertp.backends import MIN_FUSE_BYTES
 
     MIN_FUSE_BYTES.update(dict.fromkeys(MIN_FUSE_BYTES, 0))
