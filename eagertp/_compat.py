@@ -18,7 +18,8 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 def exit_spawned_rank(code: int) -> NoReturn:
-    """End a spawned rank whose work is done, without finalising Python.
+    """End a rank process (spawned, or launched by torchrun) whose work is done,
+    without finalising Python.
 
     NB: once a dispatch mode has run in a process (any TorchDispatchMode, seen
     on torch 2.13), ``destroy_process_group`` leaves the gloo group's threads

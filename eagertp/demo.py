@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.barrier()  # tear down together (see _worker)
         finally:
             dist.destroy_process_group()
-        return 0 if match else 1
+        exit_spawned_rank(0 if match else 1)
     if args.device == "cuda":
         raise SystemExit("--device cuda needs one process per GPU: launch with torchrun")
     import socket
