@@ -5,9 +5,14 @@
 For world size 1 on each device (one process, NCCL), runs all-gather + matmul
 and matmul + reduce-scatter with ``EagerMicroPipeline(backend="symm_mem")``,
 checks the results against plain eager (bf16 tolerance) and that the fused
-path ran, and times both (CUDA events, medians). Prints a table; exits non-zero
-on a mismatch. Without CUDA it says so and exits 0. Two processes sharing one
-GPU are not attempted: CUDA symmetric memory maps one device per rank.
+path ran, and times both (CUDA events, medians). Then, correctness only, two
+processes sharing device 0 over a gloo group (NCCL refuses two ranks on one
+GPU), if CUDA symmetric memory permits it: where it does not, the table says
+why. Prints a table; exits non-zero on a mismatch or a fused path that did not
+run. Without CUDA it says so and exits 0.
+
+``--shared-dry-run`` runs the two-process part on CPU with the ring backend
+(the plumbing of that part, where no GPU is at hand).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", metavar="PATH", default=None)
+    parser.add_argument("--shared-timeout", type=float, default=120.0, help="seconds for the two-process part")
+    parser.add_argument("--shared-dry-run", action="store_true", help="the two-process part only, on CPU (ring)")
     return parser.parse_args(argv)
 
 
@@ -96,10 +103,113 @@ def check_device(device: int, args: argparse.Namespace) -> list[dict]:
         dist.destroy_process_group()
 
 
+def _shared_worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
+    """One of two ranks on one device: eagertp against plain eager, correctness
+    only. Always answers on ``results``: its rows, or one saying what failed."""
+    import warnings
+
+    from eagertp._compat import exit_spawned_rank
+
+    warnings.simplefilter("ignore", FutureWarning)  # funcol's deprecations
+    try:
+        rows = _shared_rows(rank, port, args)
+    except Exception as e:  # noqa: BLE001 - reported: does symm_mem permit a shared GPU?
+        rows = [{"device": "shared", "world_size": 2, "op": "both", "rank": rank, "correct": None,
+                 "fused_ran": None, "explain": f"{type(e).__name__}: {e}".splitlines()[0]}]
+    results.put(rows)
+    results.close()
+    results.join_thread()  # NB: the queue's feeder thread must deliver before os._exit
+    exit_spawned_rank(0)
+
+
+def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from eagertp import EagerMicroPipeline
+
+    device, backend = ("cpu", "ring") if args.shared_dry_run else ("cuda", "symm_mem")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = dist.group.WORLD
+    rows = []
+    try:
+        g = torch.Generator().manual_seed(rank)
+        a = torch.randn(args.m // 2, args.k, generator=g).to(device, torch.bfloat16)
+        b = torch.randn(args.k, args.n, generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
+        cases = {
+            "all_gather_matmul": lambda x: funcol.all_gather_tensor(x, 0, group) @ b.to(x.device),
+            "matmul_reduce_scatter": lambda x: funcol.reduce_scatter_tensor(x @ b.to(x.device), "sum", 0, group).wait(),
+        }
+        for op, program in cases.items():
+            row = {"device": f"{device}:0 shared", "world_size": 2, "op": op, "rank": rank}
+            expected = program(a.cpu())  # plain eager, on gloo's CPU path
+            try:
+                pipe = EagerMicroPipeline(backend=backend, min_fuse_bytes=0)
+                with pipe:
+                    got = program(a)
+                ok = torch.allclose(got.float().cpu(), expected.float(), rtol=2e-2, atol=2e-2)
+                row.update(correct=ok, fused_ran=pipe.stats[op] == 1, explain=pipe.explain())
+            except Exception as e:  # noqa: BLE001 - reported: does symm_mem permit a shared GPU?
+                row.update(correct=None, fused_ran=None, explain=f"{type(e).__name__}: {e}".splitlines()[0])
+            rows.append(row)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def check_shared_device(args: argparse.Namespace) -> list[dict]:
+    """Two processes on one device; a row per op and rank (correctness only),
+    or one row saying why it could not run."""
+    import multiprocessing
+    import queue
+    import socket
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [ctx.Process(target=_shared_worker, args=(rank, port, args, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    rows: list[dict] = []
+    try:
+        for _ in procs:
+            rows += results.get(timeout=args.shared_timeout)
+    except queue.Empty:
+        rows = [{"device": "shared", "world_size": 2, "op": "both", "correct": None, "fused_ran": None,
+                 "explain": f"no answer within {args.shared_timeout:g} s (a hang or a crashed rank)"}]
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+    return sorted(rows, key=lambda r: (r.get("rank", -1), r["op"]))
+
+
+def _print_shared(rows: list[dict]) -> None:
+    print("two processes sharing one device (gloo group), correctness only:")
+    for r in rows:
+        if r["correct"] is None:
+            print(f"  rank {r.get('rank', '-')} {r['op']}: not run: {r['explain']}")
+        else:
+            print(f"  rank {r['rank']} {r['op']}: correct {r['correct']}, fused {r['fused_ran']}")
+            if not r["fused_ran"]:
+                print(f"    {r['explain']}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    if args.shared_dry_run:
+        shared = check_shared_device(args)
+        _print_shared(shared)
+        return 0 if all(r["correct"] and r["fused_ran"] for r in shared) else 1
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check")
         return 0
@@ -114,10 +224,13 @@ def main(argv=None) -> int:
     for r in rows:
         if not r["fused_ran"]:
             print(f"  {r['op']} did not fuse:\n    {r['explain']}")
+    shared = check_shared_device(args)
+    _print_shared(shared)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0 if all(r["correct"] and r["fused_ran"] for r in rows) else 1
+            json.dump({"world_size_1": rows, "shared_device": shared}, f, indent=1)
+    ran = [r for r in shared if r["correct"] is not None]  # where symm_mem permits a shared GPU
+    return 0 if all(r["correct"] and r["fused_ran"] for r in rows + ran) else 1
 
 
 if __name__ == "__main__":
