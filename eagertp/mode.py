@@ -1,11 +1,13 @@
 """``EagerMicroPipeline``: micro-pipelined tensor parallelism at run time.
 
 The mode defers every all-gather on a group it manages and hands the program a
-placeholder, and defers every matmul until the next op shows what it feeds.
-Matmuls on a pending gather join it; a matmul (or a sum of matmuls) whose
-output is reduce-scattered becomes the reduce-scatter's producer. When
-something needs the data (any other reader, another collective, ``flush()``,
-leaving the block) the pending work is issued, fused, in program order::
+placeholder, and defers every matmul until the next op shows what it feeds
+(collectives too small to gain, and matmuls that could only feed those, run at
+once: Note [Size rule]). Matmuls on a pending gather join it; a matmul (or a
+sum of matmuls) whose output is reduce-scattered becomes the reduce-scatter's
+producer. When something needs the data (any other reader, another collective,
+``flush()``, leaving the block) the pending work is issued, fused, in program
+order::
 
     >>> with EagerMicroPipeline() as pipe:
     ...     x = funcol.all_gather_single(x_shard, 0, tp_group)    # deferred
@@ -13,8 +15,8 @@ leaving the block) the pending work is issued, fused, in program order::
     ...     y = attention(q, k, v)                                # ONE fused call
     ...     out = funcol.reduce_scatter_single(y @ wo, "sum", 0, tp_group)  # fused
     >>> print(pipe.explain())
-    all_gather #0 f32[4, 16] -> f32[8, 16] on group '1' (2 ranks): fused with mm -> $1, mm -> $2, mm -> $3 [ring]
-    reduce_scatter(sum) #0 f32[8, 16] -> f32[4, 16] on group '1' (2 ranks): fused with mm -> $5 [ring]
+    all_gather #0 f32[1024, 512] -> f32[2048, 512] on group '1' (2 ranks): fused with mm -> $1, mm -> $2, mm -> $3 [ring]
+    reduce_scatter(sum) #0 f32[2048, 512] -> f32[1024, 512] on group '1' (2 ranks): fused with mm -> $5 [ring]
 
 The mode lives on the dispatch-mode stack of the thread that entered it
 (``TorchDispatchMode`` state is thread-local): ops from other threads are not
