@@ -12,9 +12,13 @@ import sys
 from typing import NoReturn
 
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# funcol's, same arguments: (tensor, gather_dim, group) and (tensor, reduce_op, scatter_dim, group).
+funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def exit_spawned_rank(code: int) -> NoReturn:

@@ -9,6 +9,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
+
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -23,18 +25,13 @@ def random_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(dtype)
 
 
-# funcol's names since torch 2.13; the older ones (same arguments) before.
-_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-
 def all_gather(x: torch.Tensor, group, gather_dim: int = 0) -> torch.Tensor:
-    return _funcol_all_gather(x, gather_dim, group)
+    return funcol_all_gather(x, gather_dim, group)
 
 
 def reduce_scatter(x: torch.Tensor, group, reduce_op: str = "sum", scatter_dim: int = 0) -> torch.Tensor:
     """funcol's reduce-scatter, waited: workers return plain tensors to the test."""
-    out = _funcol_reduce_scatter(x, reduce_op, scatter_dim, group)
+    out = funcol_reduce_scatter(x, reduce_op, scatter_dim, group)
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 

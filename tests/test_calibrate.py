@@ -1,0 +1,57 @@
+"""eagertp.calibrate: measuring the size rule's thresholds on a live group."""
+
+from __future__ import annotations
+
+import pytest
+from expecttest import assert_expected_inline
+
+from eagertp.calibrate import calibrate_min_fuse_bytes
+
+SIZES = [4096, 8192]  # per rank: 16 and 32 rows of k=64 float32
+
+
+def _calibrate_worker(rank, group):
+    from eagertp.backends import MIN_FUSE_BYTES
+
+    before = dict(MIN_FUSE_BYTES)
+    cal = calibrate_min_fuse_bytes(group, k=64, sizes=SIZES, repeats=2, warmup=1)
+    return {"thresholds": cal.min_fuse_bytes, "table": cal.table, "render": cal.render(),
+            "defaults_untouched": MIN_FUSE_BYTES == before}
+
+
+def test_calibration_measures_both_kinds_and_ranks_agree(pool):
+    results = pool.run(_calibrate_worker, 2)
+    assert results[0]["thresholds"] == results[1]["thresholds"], "every rank gets the same answer"
+    r = results[0]
+    assert set(r["thresholds"]) == {"all_gather", "reduce_scatter"}
+    assert all(v in (0, 4096, 8192, 16384) for v in r["thresholds"].values()), r["thresholds"]
+    assert [(row["kind"], row["nbytes"]) for row in r["table"]] == [
+        ("all_gather", 4096), ("all_gather", 8192), ("reduce_scatter", 4096), ("reduce_scatter", 8192)
+    ]
+    assert all(row["t_plain"] > 0 and row["t_fused"] > 0 for row in r["table"])
+    assert r["defaults_untouched"]
+    assert r["render"].startswith("size rule calibration on group '2' (2 ranks), cpu, f32, k=64")
+
+
+def test_calibration_threshold_rule():
+    """The smallest size from which fused is no slower (within the tolerance) at
+    every larger size."""
+    from eagertp.calibrate import _threshold
+
+    def rows(*ratios):  # plain / fused at 1, 2, 4, ... KiB
+        return [{"nbytes": 1024 << i, "t_plain": r, "t_fused": 1.0} for i, r in enumerate(ratios)]
+
+    assert _threshold(rows(1.2, 1.1, 1.5), 0.0) == 1024  # always pays: the smallest size
+    assert _threshold(rows(0.5, 1.1, 1.5), 0.0) == 2048
+    assert _threshold(rows(1.1, 0.9, 1.5), 0.0) == 4096  # a dip: only past it
+    assert _threshold(rows(1.5, 1.1, 0.9), 0.0) == 8192  # slower at the largest: past the ladder
+    assert _threshold(rows(1.5, 0.98, 1.2), 0.03) == 1024  # 2% slower is within 3%
+
+
+def test_calibration_rejects_sizes_that_are_not_whole_rows():
+    with pytest.raises(ValueError) as e:
+        calibrate_min_fuse_bytes(k=64, sizes=[4096, 1000])
+    assert_expected_inline(
+        str(e.value),
+        """calibrate_min_fuse_bytes: every size must be a positive multiple of one row, k * element size = 256 bytes for k=64 and f32; got sizes=[4096, 1000]""",
+    )
