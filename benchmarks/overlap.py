@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="EagerMicroPipeline(min_fuse_bytes=...): 0 fuses every size; default: the size rule's per-device value",
     )
-    parser.add_argument("--plot", metavar="PATH", default=None, help="plot fused/unfused vs comm/compute (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PATH", default=None, help="plot eagertp/unfused and the limit vs comm/compute (needs matplotlib)")
     return parser.parse_args(argv)
 
 
@@ -197,7 +197,7 @@ def _plot(results: list[dict], path: str) -> None:
     for op in sorted({r["op"] for r in results}):
         rows = sorted((r for r in results if r["op"] == op), key=lambda r: r["comm_over_mm"])
         x = [r["comm_over_mm"] for r in rows]
-        ax.plot(x, [r["t_fused"] / r["t_unfused"] for r in rows], "o-", label=f"{op}: fused / unfused")
+        ax.plot(x, [r["t_fused"] / r["t_unfused"] for r in rows], "o-", label=f"{op}: eagertp / unfused")
         ax.plot(x, [max(r["t_comm"], r["t_mm"]) / r["t_unfused"] for r in rows], "k--", alpha=0.4)
     ax.set_xscale("log")
     ax.set_xlabel("t_comm / t_mm")
