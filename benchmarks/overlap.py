@@ -51,7 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="EagerMicroPipeline(min_fuse_bytes=...): 0 fuses every size; default: the size rule's per-device value",
     )
     parser.add_argument(
-        "--plot", metavar="PATH", default=None, help="plot eagertp/unfused and the limit vs comm/compute (needs matplotlib)"
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="plot eagertp/unfused and the limit vs comm/compute (needs matplotlib)",
     )
     return parser.parse_args(argv)
 

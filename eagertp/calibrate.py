@@ -100,7 +100,8 @@ def calibrate_min_fuse_bytes(
                 def program(x=x) -> None:
                     funcol_reduce_scatter(x @ b, "sum", 0, group).wait()
 
-            times = _time_interleaved([_inside(plain, program), _inside(fused, program)], group, device, repeats, warmup)
+            fns = [_inside(plain, program), _inside(fused, program)]
+            times = _time_interleaved(fns, group, device, repeats, warmup)
             assert fused.stats[_FUSED[kind]] == 1 and plain.stats[f"unfused_{kind}"] == 1, (
                 f"calibration of {kind} at {nbytes} bytes did not run both paths: {fused.explain()}"
             )
