@@ -571,9 +571,11 @@ class EagerMicroPipeline:
             _check_ranks_agree(signature, group)
         result = func(*args, **kwargs)
         dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
-        record = self._trace.new_collective(kind, src=tensor_str(src), dst=tensor_str(dst), group=group_str(group))
+        src_str, dst_str, group_name = tensor_str(src), tensor_str(dst), group_str(group)
+        record = self._trace.new_collective(kind, src=src_str, dst=dst_str, group=group_name)
         self.stats[f"unfused_{kind.split('(')[0]}"] += 1
         self._trace.mark_unfused(record, reason)
+        self._trace.event(f"{dst_str} = {kind}({src_str}, {group_name}) [as written]")
         return result
 
     def _new_reduce_scatter_record(

@@ -23,7 +23,13 @@ def _gather_mm_worker(rank, group, min_fuse_bytes):
     expected = all_gather(x, group) @ w
     with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:
         got = all_gather(x, group) @ w
-    return {"got": got, "expected": expected, "explain": pipe.explain(), **fusion_report(pipe, counter)}
+    return {
+        "got": got,
+        "expected": expected,
+        "explain": pipe.explain(),
+        "debug": pipe.debug_string(),
+        **fusion_report(pipe, counter),
+    }
 
 
 def _mm_scatter_worker(rank, group, min_fuse_bytes, verify=False):
@@ -42,6 +48,9 @@ def test_size_rule_issues_a_small_all_gather_plain(pool, world):
         assert r["stats"].get("all_gather_matmul", 0) == 0 and r["stats"]["unfused_all_gather"] == 1, r
         assert r["plain_all_gathers"] == 1 and r["p2p_ops"] == 0, r
         assert "not fused: size rule: 256 B per rank < min_fuse_bytes 257 B" in r["explain"]
+        world_rows = 4 * world
+        assert f"f32[{world_rows}, 16] = all_gather(f32[4, 16], group" in r["debug"], r["debug"]
+        assert "[as written]" in r["debug"] and "= mm(" not in r["debug"], r["debug"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
