@@ -16,10 +16,8 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -116,29 +114,12 @@ def _run_in_shaped_netns(args: argparse.Namespace) -> Any:
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], group, *, repeats: int, warmup: int) -> dict[str, float]:
-    """For each function, the median over samples of the slowest rank's seconds.
+    """For each function, the median over samples of the slowest rank's seconds,
+    sampled round-robin (``eagertp.calibrate.time_round_robin``)."""
+    from eagertp.calibrate import time_round_robin
 
-    Sampled round-robin: round ``i`` runs every function once, starting at a
-    different one each round, so that drift on a shared machine (another
-    tenant, frequency changes) lands on all of them alike and their ratios stay
-    meaningful.
-    """
-    import torch
-    import torch.distributed as dist
-
-    names = list(fns)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(warmup + repeats):
-        for j in range(len(names)):
-            name = names[(i + j) % len(names)]
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            fns[name]()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-            if i >= warmup:
-                samples[name].append(elapsed.item())
-    return {name: statistics.median(s) for name, s in samples.items()}
+    times = time_round_robin(list(fns.values()), group, repeats=repeats, warmup=warmup)
+    return dict(zip(fns, times))
 
 
 def write_json(path: str | None, payload: dict) -> None:

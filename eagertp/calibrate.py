@@ -15,8 +15,9 @@ written and fused: an all-gather of an ``[r, K]`` shard consumed by a
 ``[K, K]`` matmul, and an ``[W*r, K] @ [K, K]`` matmul reduce-scattered to
 ``[r, K]``, with ``r * K`` elements = S bytes. A sample's time is the slowest
 rank's; medians decide. The threshold is the smallest S from which fusing is no
-slower (within ``tolerance``, 3%) at every larger S measured. Every rank must call it at the same point
-(it issues collectives), and every rank gets the same answer.
+slower (within ``tolerance``, 3%) at every larger S measured. Every rank must
+call it at the same point (it issues collectives), and every rank gets the same
+answer.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 from eagertp._format import dtype_str, group_str
 from eagertp.mode import EagerMicroPipeline
 
-__all__ = ["Calibration", "calibrate_min_fuse_bytes"]
+__all__ = ["Calibration", "calibrate_min_fuse_bytes", "time_round_robin"]
 
 KINDS = ("all_gather", "reduce_scatter")
 DEFAULT_SIZES = tuple(1 << p for p in range(16, 25))  # 64 KiB .. 16 MiB per rank
@@ -101,7 +102,7 @@ def calibrate_min_fuse_bytes(
                     funcol_reduce_scatter(x @ b, "sum", 0, group).wait()
 
             fns = [_inside(plain, program), _inside(fused, program)]
-            times = _time_interleaved(fns, group, device, repeats, warmup)
+            times = time_round_robin(fns, group, device=device, repeats=repeats, warmup=warmup)
             assert fused.stats[_FUSED[kind]] == 1 and plain.stats[f"unfused_{kind}"] == 1, (
                 f"calibration of {kind} at {nbytes} bytes did not run both paths: {fused.explain()}"
             )
@@ -122,10 +123,22 @@ def _inside(pipe: EagerMicroPipeline, program: Callable[[], None]) -> Callable[[
     return run
 
 
-def _time_interleaved(
-    fns: list[Callable[[], None]], group: dist.ProcessGroup, device: torch.device, repeats: int, warmup: int
+def time_round_robin(
+    fns: Sequence[Callable[[], object]],
+    group: dist.ProcessGroup,
+    *,
+    device: str | torch.device = "cpu",
+    repeats: int,
+    warmup: int,
 ) -> list[float]:
-    """Per function, the median over samples of the slowest rank's seconds."""
+    """Per function, the median over samples of the slowest rank's seconds.
+
+    Every sample is taken on all ranks between barriers (CUDA work is waited
+    for). Round ``i`` runs every function once, starting at a different one, so
+    that drift on a shared machine lands on all of them alike and their ratios
+    stay meaningful. All ranks must call it together.
+    """
+    device = torch.device(device)
     samples: list[list[float]] = [[] for _ in fns]
     for i in range(warmup + repeats):
         for j in range(len(fns)):
