@@ -312,14 +312,10 @@ class EagerMicroPipeline:
         shard = shard.contiguous()
         if out is None:
             out = self._placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
-        record = self._trace.new_collective(
-            "all_gather", src=tensor_str(shard), dst=tensor_str(out), group=group_str(group)
-        )
+        record = self._new_record("all_gather", shard, out, group)
         gather = PendingGather(shard, out, group, self._store.next_tid(), record)
         self._store.add_gather(gather)
-        self._trace.event(
-            f"${gather.tid}: {tensor_str(out)} = all_gather({tensor_str(shard)}, {group_str(group)})"
-        )
+        self._trace.event(f"${gather.tid}: {record.dst} = all_gather({record.src}, {record.group})")
         return out
 
     def _defer_matmul(
@@ -500,7 +496,7 @@ class EagerMicroPipeline:
             return self._issue_as_is(func, args, kwargs, kind, inp, group, too_small, signature)
         if out is None:
             out = self._placeholder(inp, (inp.shape[0] // world, *inp.shape[1:]))
-        record = self._new_reduce_scatter_record(reduce_op, inp, out, group)
+        record = self._new_record(kind, inp, out, group)
         found = self._store.standalone_output(inp) if self._store else None
         why_not = self._why_not_produce(found, out) if found is not None else (
             "its input is not the pending output of a matmul"
@@ -571,19 +567,17 @@ class EagerMicroPipeline:
             _check_ranks_agree(signature, group)
         result = func(*args, **kwargs)
         dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
-        src_str, dst_str, group_name = tensor_str(src), tensor_str(dst), group_str(group)
-        record = self._trace.new_collective(kind, src=src_str, dst=dst_str, group=group_name)
+        record = self._new_record(kind, src, dst, group)
         self.stats[f"unfused_{kind.split('(')[0]}"] += 1
         self._trace.mark_unfused(record, reason)
-        self._trace.event(f"{dst_str} = {kind}({src_str}, {group_name}) [as written]")
+        self._trace.event(f"{record.dst} = {kind}({record.src}, {record.group}) [as written]")
         return result
 
-    def _new_reduce_scatter_record(
-        self, reduce_op: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
+    def _new_record(
+        self, kind: str, src: torch.Tensor, dst: torch.Tensor, group: dist.ProcessGroup
     ) -> CollectiveRecord:
-        return self._trace.new_collective(
-            f"reduce_scatter({reduce_op})", src=tensor_str(inp), dst=tensor_str(out), group=group_str(group)
-        )
+        """The explain() record of a collective, with its tensors and group rendered."""
+        return self._trace.new_collective(kind, src=tensor_str(src), dst=tensor_str(dst), group=group_str(group))
 
 
 class _EagerTPMode(TorchDispatchMode):
