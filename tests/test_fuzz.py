@@ -41,7 +41,7 @@ def programs(draw) -> list[str]:
     return steps
 
 
-def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0):
+def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, backend="auto"):
     import torch.nn.functional as F
     from helpers import all_gather, integer_tensor, reduce_scatter
 
@@ -92,7 +92,7 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0):
     precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with precision:
         expected = execute(None)
-    pipe = EagerMicroPipeline(poison=True, min_fuse_bytes=min_fuse_bytes)
+    pipe = EagerMicroPipeline(backend=backend, poison=True, min_fuse_bytes=min_fuse_bytes)
     with precision, pipe:
         got = execute(pipe)
     return {"equal": torch.equal(got, expected), "explain": pipe.explain()}
@@ -112,3 +112,19 @@ def test_random_programs_match_plain_eager(pool, steps, autocast, min_fuse_bytes
             f"rank {rank} differs from plain eager for {steps} (autocast={autocast}, "
             f"min_fuse_bytes={min_fuse_bytes}):\n{r['explain']}"
         )
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES))
+def test_random_programs_match_plain_eager_on_symm_mem(pool, steps, autocast, min_fuse_bytes):
+    """The same programs through torch's own symmetric-memory primitives
+    (tests/symm_mem_emulation.py): its schedule, eagertp's callbacks."""
+    from symm_mem_emulation import with_cpu_symm_mem
+
+    args = (_run_program, steps, autocast, min_fuse_bytes, "symm_mem")
+    for rank, r in enumerate(pool.run(with_cpu_symm_mem, 2, *args, timeout=30)):
+        assert r["equal"], (
+            f"rank {rank} differs from plain eager for {steps} on symm_mem (autocast={autocast}, "
+            f"min_fuse_bytes={min_fuse_bytes}):\n{r['explain']}"
+        )
+        assert "[ring" not in r["explain"], "backend='symm_mem' served every fused collective"

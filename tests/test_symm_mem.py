@@ -1,81 +1,21 @@
-"""The symm_mem backend's plumbing, on CPU.
+"""The symm_mem backend on CPU, running torch's own symmetric-memory code.
 
-torch's symmetric-memory primitives need CUDA. Here they are replaced, in the
-worker only, by CPU versions with the semantics their docstrings state
-(all-gather then consume each shard; produce each chunk then all-to-all), so
-that argument order, buffers, callbacks, gather/scatter dims and the local
-reduction of the backend run for real. Selected by ``-k symm_mem``.
+torch's pipelined primitives and workspace are Python over a small CUDA
+surface; ``symm_mem_emulation`` provides that surface across the test's worker
+processes (shared-memory buffers, gloo barriers, in-order streams), so the
+backend's argument order, buffers, callbacks, gather/scatter dims and local
+reduction run inside torch's real chunk schedule. Selected by ``-k symm_mem``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from expecttest import assert_expected_inline
-from torch.utils._python_dispatch import _disable_current_modes
 from helpers import ROWWISE_SCALES, OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter
+from symm_mem_emulation import emulated_symm_mem, with_cpu_symm_mem
 
 from eagertp import EagerMicroPipeline
-
-
-def _cpu_pipelined_all_gather_and_consume(shard, shard_consumer, ag_out, group_name, ag_out_needed=True):
-    """``_pipelined_all_gather_and_consume``'s documented semantics, on gloo."""
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    dist.all_gather_into_tensor(ag_out, shard, group=group)
-    for src, chunk in enumerate(ag_out.chunk(group.size())):
-        shard_consumer(chunk, src)
-
-
-def _cpu_pipelined_produce_and_all2all(chunk_producer, output, group_name, out_chunk_dim=0):
-    """``_pipelined_produce_and_all2all``'s documented semantics, on gloo."""
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    world = group.size()
-    chunks = [torch.empty_like(c) for c in output.chunk(world, dim=out_chunk_dim)]
-    for dst, chunk in enumerate(chunks):
-        chunk_producer(dst, chunk)
-    # All-to-all by point-to-point messages (gloo has no all_to_all before torch
-    # 2.13), hidden from the tests' OpCounter: they prove the ring did not run.
-    rank, received = group.rank(), [torch.empty_like(c) for c in chunks]
-    with _disable_current_modes():
-        works = []
-        for peer in range(world):
-            if peer != rank:
-                works.append(dist.isend(chunks[peer], group=group, group_dst=peer))
-                works.append(dist.irecv(received[peer], group=group, group_src=peer))
-        for work in works:
-            work.wait()
-    received[rank] = chunks[rank]
-    for out, got in zip(output.chunk(world, dim=out_chunk_dim), received):
-        out.copy_(got)
-
-
-def with_cpu_symm_mem(rank, group, worker, *args, rendezvous_error=None):
-    """Run ``worker`` with torch's primitives replaced by the CPU versions above,
-    CPU tensors accepted, and each group's workspace rendezvous a no-op (or
-    raising ``rendezvous_error``)."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    from eagertp.backends import symm_mem as backend
-
-    def rendezvous(group_name, min_size):
-        if rendezvous_error is not None:
-            raise RuntimeError(rendezvous_error)
-
-    names = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all", "get_symm_mem_workspace")
-    saved = [getattr(symm_mem, name) for name in names] + [backend.static_reason]
-    symm_mem._pipelined_all_gather_and_consume = _cpu_pipelined_all_gather_and_consume
-    symm_mem._pipelined_produce_and_all2all = _cpu_pipelined_produce_and_all2all
-    symm_mem.get_symm_mem_workspace = rendezvous
-    backend.static_reason = lambda t: None  # CPU tensors welcome, in this test only
-    backend._group_reasons.clear()
-    try:
-        return worker(rank, group, *args)
-    finally:
-        for name, value in zip(names, saved):
-            setattr(symm_mem, name, value)
-        backend.static_reason = saved[-1]
-        backend._group_reasons.clear()
 
 
 def _mlp_worker(rank, group, gather_dim, reduce_op):
@@ -133,22 +73,15 @@ def test_symm_mem_backend_on_cpu_tensors_says_why_and_what_to_use(pool):
 
 
 def _workspace_error_worker(rank, group):
-    """torch's own error (here: the workspace cannot grow during CUDA graph
-    capture) reaches the user with the collective named and torch's fix intact."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    def capturing(shard, shard_consumer, ag_out, group_name, ag_out_needed=True):
-        raise RuntimeError(
-            "get_symm_mem_workspace(): the requested size (64 bytes) is greater than the size of the "
-            "currently allocated workspace (0 bytes). It's currently not possible to expand the workspace "
-            "size during graph capture. Please invoke `get_symm_mem_workspace(...)` before initiating the "
-            "graph capture and try again."
-        )
-
-    symm_mem._pipelined_all_gather_and_consume = capturing
+    """torch's own error (the workspace cannot grow during CUDA graph capture)
+    reaches the user with the collective named and torch's fix intact."""
+    x = integer_tensor((2, 4), torch.float32, seed=rank)
+    with EagerMicroPipeline(backend="symm_mem"):
+        all_gather(x, group) @ torch.ones(4, 3)  # sizes the workspace (32 bytes, 64 emulated)
+    torch.cuda.is_current_stream_capturing = lambda: True  # restored by emulated_symm_mem
     try:
         with EagerMicroPipeline(backend="symm_mem"):
-            all_gather(torch.ones(2, 4), group) @ torch.ones(4, 3)
+            all_gather(torch.cat([x, x, x, x]), group) @ torch.ones(4, 3)  # needs 128
     except RuntimeError as e:
         return str(e)
     return None
@@ -156,7 +89,7 @@ def _workspace_error_worker(rank, group):
 
 def test_symm_mem_surfaces_torch_errors_with_the_collective_named(pool):
     msg = pool.run(with_cpu_symm_mem, 2, _workspace_error_worker)[0]
-    assert_expected_inline(msg, """eagertp symm_mem backend, all_gather of f32[2, 4] on group '2' (2 ranks): get_symm_mem_workspace(): the requested size (64 bytes) is greater than the size of the currently allocated workspace (0 bytes). It's currently not possible to expand the workspace size during graph capture. Please invoke `get_symm_mem_workspace(...)` before initiating the graph capture and try again.""")
+    assert_expected_inline(msg, """eagertp symm_mem backend, all_gather of f32[8, 4] on group '2' (2 ranks): get_symm_mem_workspace(): the requested size (128 bytes) is greater than the size of the currently allocated workspace (64 bytes). It's currently not possible to expand the workspace size during graph capture. Please invoke `get_symm_mem_workspace(group_name="2", min_size="128")` before initiating the graph capture and try again.""")
 
 
 @pytest.mark.parametrize("scales", ["tensorwise", ROWWISE_SCALES])
@@ -166,7 +99,7 @@ def test_symm_mem_scaled_fp8_gather(pool, scales):
     for r in pool.run(with_cpu_symm_mem, 2, _gather_scaled_worker, scales, "bf16", True):
         assert r["ok"], r
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
-        assert r["p2p_ops"] == 0 and r["plain_all_gathers"] == 1, "the CPU stand-in's gloo gather, no ring"
+        assert r["p2p_ops"] == 0 and r["plain_all_gathers"] == 0, "symm_mem moves the data"
 
 
 def _rendezvous_failure_worker(rank, group):
@@ -186,7 +119,14 @@ def _rendezvous_failure_worker(rank, group):
 
 
 def _with_failing_rendezvous(rank, group, worker):
-    return with_cpu_symm_mem(rank, group, worker, rendezvous_error="no peer access between the devices")
+    import torch.distributed._symmetric_memory as symm_mem
+
+    def no_peer_access(tensor, group_name=None):
+        raise RuntimeError("no peer access between the devices")
+
+    with emulated_symm_mem():
+        symm_mem._SymmetricMemory.rendezvous = no_peer_access  # the emulation's, gone on exit
+        return worker(rank, group)
 
 
 def test_symm_mem_rendezvous_failure_falls_back_to_the_ring_or_says_why(pool):

@@ -1,0 +1,143 @@
+"""torch's symmetric-memory code, run for real by CPU worker processes.
+
+``_pipelined_all_gather_and_consume``, ``_pipelined_produce_and_all2all`` and
+``get_symm_mem_workspace`` are Python. What they need from CUDA is small:
+
+- ``_SymmetricMemory`` (C++): ``empty_strided_p2p`` allocates a rank's buffer,
+  ``rendezvous`` maps every peer's, and the handle offers ``rank``,
+  ``world_size``, ``get_buffer(peer, ...)`` (a view of *the peer's* memory,
+  read and written over NVLink) and ``barrier(channel)``;
+- streams (``current_stream``, the backend stream, ``_sleep``) that order their
+  copies and our callbacks.
+
+Here the buffers are files in /dev/shm that every rank of the test's gloo group
+maps (so ``get_buffer(peer)`` is the peer's memory, as on NVLink), ``barrier`` is
+a gloo barrier, and streams are no-ops: CPU ops run in issue order, a stricter
+schedule than CUDA's. Everything else is torch's own code: its chunk order,
+buffer offsets, contiguity checks, workspace sizing (and the error it raises
+when the workspace would have to grow during CUDA graph capture), with
+eagertp's consumers and producers running inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
+
+
+class _Handle:
+    """What ``_SymmetricMemory.rendezvous`` returns: every rank's buffer."""
+
+    def __init__(self, buffers: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+        self._buffers = buffers
+        self._group = group
+        self.rank = group.rank()
+        self.world_size = group.size()
+
+    def get_buffer(self, rank: int, sizes, dtype: torch.dtype, storage_offset: int = 0) -> torch.Tensor:
+        flat = self._buffers[rank].view(dtype)
+        numel = math.prod(sizes)
+        if storage_offset + numel > flat.numel():
+            raise RuntimeError(
+                f"get_buffer: {numel} elements at offset {storage_offset} exceed the "
+                f"{flat.numel()}-element buffer"
+            )
+        return flat[storage_offset : storage_offset + numel].view(sizes)
+
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
+        # A signal-pad barrier on CUDA, no c10d op: hidden from the tests' op counters.
+        with _disable_current_modes():
+            dist.barrier(group=self._group)
+
+
+class _SharedMemorySymmetricMemory:
+    """Stands in for ``torch._C._distributed_c10d._SymmetricMemory``."""
+
+    def __init__(self) -> None:
+        self._allocations: dict[int, tuple[str, str]] = {}  # data_ptr -> (path, group name)
+        self._handles: dict[int, _Handle] = {}  # data_ptr -> its rendezvous, as torch caches it
+
+    def empty_strided_p2p(self, size, stride, dtype, device, group_name, alloc_id=None) -> torch.Tensor:
+        assert list(stride) == [1] and dtype == torch.uint8, "torch's workspace is a flat byte buffer"
+        path = f"/dev/shm/eagertp-test-symm-mem-{uuid.uuid4().hex}"
+        nbytes = -(-size[0] // 64) * 64  # rounded up: every dtype's view of it stays whole
+        buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        self._allocations[buffer.data_ptr()] = (path, group_name)
+        return buffer
+
+    def rendezvous(self, tensor: torch.Tensor, group_name: str | None = None) -> _Handle:
+        if tensor.data_ptr() in self._handles:  # torch asks again on every call
+            return self._handles[tensor.data_ptr()]
+        path, allocated_for = self._allocations.pop(tensor.data_ptr())
+        group = dist.distributed_c10d._resolve_process_group(group_name or allocated_for)
+        paths: list[str | None] = [None] * group.size()
+        with _disable_current_modes():
+            dist.all_gather_object(paths, path, group=group)
+            buffers = [
+                tensor if peer == group.rank() else torch.from_file(p, shared=True, size=tensor.numel(), dtype=torch.uint8)
+                for peer, p in enumerate(paths)
+            ]
+            dist.barrier(group=group)  # every peer has mapped this rank's file
+        os.unlink(path)
+        handle = self._handles[tensor.data_ptr()] = _Handle(buffers, group)
+        return handle
+
+
+class _InOrderStream:
+    """A CUDA stream where every op runs in issue order: waits are no-ops."""
+
+    def wait_stream(self, other: _InOrderStream) -> None:
+        pass
+
+    def __enter__(self) -> _InOrderStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def emulated_symm_mem():
+    """Inside: the symm_mem backend accepts CPU tensors and torch's primitives
+    run over shared memory. Whatever a test patches on the objects below (say,
+    ``torch.cuda.is_current_stream_capturing``) is restored on exit."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from eagertp.backends import symm_mem as backend
+
+    stream = _InOrderStream()
+    allocator = _SharedMemorySymmetricMemory()
+    patches = [
+        (symm_mem, "_SymmetricMemory", allocator),
+        (symm_mem, "_group_name_to_workspace_tensor", {}),
+        (symm_mem, "_get_backend_stream", lambda priority=0: stream),
+        (torch.cuda, "current_stream", lambda device=None: stream),
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "is_current_stream_capturing", lambda: False),
+        (torch.cuda, "_sleep", lambda cycles: None),
+        (backend, "static_reason", lambda t: None),  # CPU tensors welcome, here only
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    backend._group_reasons.clear()
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        backend._group_reasons.clear()
+        for path, _ in allocator._allocations.values():  # allocated, never rendezvoused
+            os.unlink(path)
+
+
+def with_cpu_symm_mem(rank, group, worker, *args):
+    """A pool job: ``worker(rank, group, *args)`` with symmetric memory emulated."""
+    with emulated_symm_mem():
+        return worker(rank, group, *args)
