@@ -6,8 +6,11 @@ on the link, the device and the ranks, so measure it where you run::
 
     >>> cal = calibrate_min_fuse_bytes(tp_group, device="cuda")   # on every rank
     >>> print(cal.render())
-    >>> for kind, nbytes in cal.min_fuse_bytes.items():
-    ...     MIN_FUSE_BYTES["cuda", kind] = nbytes
+    >>> with EagerMicroPipeline(group=tp_group, min_fuse_bytes=cal.min_fuse_bytes):
+    ...     train_step()
+
+(or, for every pipeline in the process, ``MIN_FUSE_BYTES["cuda", kind] = nbytes``
+for each kind).
 
 For each kind and per-rank size S (a ladder of powers of two), it times, on
 every rank and interleaved, the program the size rule governs issued as
@@ -32,11 +35,11 @@ import torch.distributed as dist
 
 from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 from eagertp._format import dtype_str, group_str
+from eagertp.backends import KINDS
 from eagertp.mode import EagerMicroPipeline
 
 __all__ = ["Calibration", "calibrate_min_fuse_bytes", "time_round_robin"]
 
-KINDS = ("all_gather", "reduce_scatter")
 DEFAULT_SIZES = tuple(1 << p for p in range(16, 25))  # 64 KiB .. 16 MiB per rank
 
 

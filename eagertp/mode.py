@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -130,7 +130,9 @@ class EagerMicroPipeline:
             wrote them, and ``explain()`` says so. Default (``None``): per device,
             ``eagertp.backends.MIN_FUSE_BYTES`` (on CPU, measured: 1 MiB for
             all-gathers, 512 KiB for reduce-scatters; 0 on CUDA). ``0`` fuses
-            every size.
+            every size. A dict sets it per kind (``{"all_gather": ...,
+            "reduce_scatter": ...}``, as ``calibrate_min_fuse_bytes`` returns
+            it); a kind left out keeps its default.
         max_records: bound on the trace and ``explain()`` records kept.
 
     Attributes:
@@ -147,7 +149,7 @@ class EagerMicroPipeline:
         backend: str = "auto",
         verify: bool = False,
         poison: bool = False,
-        min_fuse_bytes: int | None = None,
+        min_fuse_bytes: int | Mapping[str, int] | None = None,
         max_records: int = 10_000,
     ) -> None:
         if group is not None and not isinstance(group, dist.ProcessGroup):

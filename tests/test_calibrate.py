@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from expecttest import assert_expected_inline
 
+from eagertp import EagerMicroPipeline
 from eagertp.calibrate import calibrate_min_fuse_bytes
 
 SIZES = [4096, 8192]  # per rank: 16 and 32 rows of k=64 float32
@@ -15,6 +16,7 @@ def _calibrate_worker(rank, group):
 
     before = dict(MIN_FUSE_BYTES)
     cal = calibrate_min_fuse_bytes(group, k=64, sizes=SIZES, repeats=2, warmup=1)
+    EagerMicroPipeline(group=group, min_fuse_bytes=cal.min_fuse_bytes)  # what it is for
     return {"thresholds": cal.min_fuse_bytes, "table": cal.table, "render": cal.render(),
             "defaults_untouched": MIN_FUSE_BYTES == before}
 

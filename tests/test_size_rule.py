@@ -126,11 +126,56 @@ def test_size_rule_agrees_across_ranks_that_fuse_and_ranks_that_do_not(pool):
     assert reports[0][1][1].get("all_gather_matmul", 0) == 0, "rank 0 read the gather: nothing to fuse"
 
 
+def _per_kind_worker(rank, group, min_fuse_bytes):
+    """A column-parallel then a row-parallel linear, 256 B per rank each."""
+    x = integer_tensor(SHARD, torch.float32, seed=rank)
+    w1 = integer_tensor((SHARD[1], 16), torch.float32, seed=100)
+    w2 = integer_tensor((16, 16), torch.float32, seed=101)
+
+    def program():
+        return reduce_scatter(all_gather(x, group) @ w1 @ w2, group)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize(
+    "min_fuse_bytes,fused",
+    [
+        ({"all_gather": SHARD_BYTES + 1, "reduce_scatter": SHARD_BYTES}, {"matmul_reduce_scatter"}),
+        ({"all_gather": SHARD_BYTES, "reduce_scatter": SHARD_BYTES + 1}, {"all_gather_matmul"}),
+        # A kind left out keeps its default: 0 in the test pool (fuse_every_size).
+        ({"all_gather": SHARD_BYTES + 1}, {"matmul_reduce_scatter"}),
+        ({}, {"all_gather_matmul", "matmul_reduce_scatter"}),
+    ],
+    ids=["rs-only", "ag-only", "ag-given", "empty"],
+)
+def test_min_fuse_bytes_per_kind(pool, min_fuse_bytes, fused):
+    """A dict, as calibrate_min_fuse_bytes returns it, sets each kind's
+    threshold; a kind it leaves out keeps MIN_FUSE_BYTES's."""
+    for r in pool.run(_per_kind_worker, 2, min_fuse_bytes):
+        assert r["ok"], r
+        assert {k for k in ("all_gather_matmul", "matmul_reduce_scatter") if r["stats"].get(k)} == fused, r
+        assert r["plain_all_gathers"] == ("all_gather_matmul" not in fused), r
+        assert r["plain_reduce_scatters"] == ("matmul_reduce_scatter" not in fused), r
+
+
+def test_min_fuse_bytes_per_kind_thresholds():
+    from eagertp.backends import MIN_FUSE_BYTES, BackendChoice
+
+    choice = BackendChoice("auto", {"all_gather": 0})
+    assert choice.min_bytes("cpu", "all_gather") == 0
+    assert choice.min_bytes("cpu", "reduce_scatter") == MIN_FUSE_BYTES["cpu", "reduce_scatter"] > 0
+    assert BackendChoice("auto", 7).min_bytes("cuda", "reduce_scatter") == 7
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "1k", True])
 def test_min_fuse_bytes_rejects_bad_values(bad):
     with pytest.raises(ValueError) as e:
         EagerMicroPipeline(min_fuse_bytes=bad)
-    assert "takes a byte count >= 0 or None" in str(e.value) and repr(bad) in str(e.value)
+    assert "takes a byte count >= 0" in str(e.value) and repr(bad) in str(e.value)
 
 
 def test_min_fuse_bytes_error_text():
@@ -138,8 +183,14 @@ def test_min_fuse_bytes_error_text():
         EagerMicroPipeline(min_fuse_bytes=-1)
     expecttest.assert_expected_inline(
         str(e.value),
-        """EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0 or None (the per-device default, eagertp.backends.MIN_FUSE_BYTES), got -1""",
+        """EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0, a dict of them per kind ('all_gather', 'reduce_scatter'; e.g. calibrate_min_fuse_bytes(...).min_fuse_bytes) or None (the per-device default, eagertp.backends.MIN_FUSE_BYTES), got -1""",
     )
+    with pytest.raises(ValueError) as e:
+        EagerMicroPipeline(min_fuse_bytes={"allgather": 1 << 20})
+    expecttest.assert_expected_inline(str(e.value), """EagerMicroPipeline(min_fuse_bytes={...}) takes a byte count >= 0 per kind, kinds ['all_gather', 'reduce_scatter']; got {'allgather': 1048576} (unknown kinds ['allgather'])""")
+    with pytest.raises(ValueError) as e:
+        EagerMicroPipeline(min_fuse_bytes={"all_gather": 1 << 20, "reduce_scatter": -1})
+    expecttest.assert_expected_inline(str(e.value), """EagerMicroPipeline(min_fuse_bytes={...}) takes a byte count >= 0 per kind, kinds ['all_gather', 'reduce_scatter']; got {'all_gather': 1048576, 'reduce_scatter': -1} (not a byte count >= 0: {'reduce_scatter': -1})""")
 
 
 @pytest.mark.parametrize(

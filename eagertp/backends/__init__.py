@@ -27,6 +27,8 @@ collective alone interoperates with a peer that fuses it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 
@@ -79,7 +81,7 @@ class BackendChoice:
     shape only, so every rank makes the same one (Invariant 2).
     """
 
-    def __init__(self, name: str, min_fuse_bytes: int | None = None) -> None:
+    def __init__(self, name: str, min_fuse_bytes: int | Mapping[str, int] | None = None) -> None:
         if not isinstance(name, str):
             raise TypeError(
                 f"EagerMicroPipeline(backend=...) takes a backend name, got "
@@ -87,15 +89,8 @@ class BackendChoice:
             )
         if name != "auto" and name not in BACKENDS:
             raise ValueError(f"EagerMicroPipeline: unknown backend {name!r}; valid names: {_valid_names()}")
-        if min_fuse_bytes is not None and (
-            isinstance(min_fuse_bytes, bool) or not isinstance(min_fuse_bytes, int) or min_fuse_bytes < 0
-        ):
-            raise ValueError(
-                f"EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0 or None (the "
-                f"per-device default, eagertp.backends.MIN_FUSE_BYTES), got {min_fuse_bytes!r}"
-            )
         self.name = name
-        self.min_fuse_bytes = min_fuse_bytes
+        self.min_fuse_bytes = _checked_min_fuse_bytes(min_fuse_bytes)
         self._instances = {key: cls() for key, cls in BACKENDS.items()}
 
     def min_bytes(self, device_type: str, kind: str) -> int:
@@ -103,8 +98,10 @@ class BackendChoice:
         (0 for the reference backend, which has no size rule)."""
         if self.name == "reference":
             return 0
-        if self.min_fuse_bytes is not None:
+        if isinstance(self.min_fuse_bytes, int):
             return self.min_fuse_bytes
+        if self.min_fuse_bytes is not None and kind in self.min_fuse_bytes:
+            return self.min_fuse_bytes[kind]
         return MIN_FUSE_BYTES.get((device_type, kind), 0)
 
     def size_rule(self, device_type: str, kind: str, nbytes: int) -> str | None:
@@ -136,6 +133,36 @@ class BackendChoice:
                     f"Use backend='ring' (any process group) or backend='auto' (symm_mem where it works)."
                 )
         return self._instances[self.name], None
+
+
+KINDS = ("all_gather", "reduce_scatter")
+
+
+def _checked_min_fuse_bytes(value: int | Mapping[str, int] | None) -> int | dict[str, int] | None:
+    """``min_fuse_bytes``: None (the per-device defaults), one byte count for
+    both kinds, or a byte count per kind (``Calibration.min_fuse_bytes``; a kind
+    left out keeps its default)."""
+
+    def is_count(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+    if value is None or is_count(value):
+        return value
+    if isinstance(value, Mapping):
+        unknown = [kind for kind in value if kind not in KINDS]
+        bad = {kind: n for kind, n in value.items() if kind in KINDS and not is_count(n)}
+        if not unknown and not bad:
+            return dict(value)
+        problem = f"unknown kinds {unknown}" if unknown else f"not a byte count >= 0: {bad}"
+        raise ValueError(
+            f"EagerMicroPipeline(min_fuse_bytes={{...}}) takes a byte count >= 0 per kind, kinds "
+            f"{list(KINDS)}; got {value!r} ({problem})"
+        )
+    raise ValueError(
+        f"EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0, a dict of them per kind "
+        f"({', '.join(map(repr, KINDS))}; e.g. calibrate_min_fuse_bytes(...).min_fuse_bytes) or None "
+        f"(the per-device default, eagertp.backends.MIN_FUSE_BYTES), got {value!r}"
+    )
 
 
 def _bytes_str(n: int) -> str:
