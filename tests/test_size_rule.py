@@ -162,12 +162,13 @@ def test_min_fuse_bytes_per_kind(pool, min_fuse_bytes, fused):
         assert r["plain_reduce_scatters"] == ("matmul_reduce_scatter" not in fused), r
 
 
-def test_min_fuse_bytes_per_kind_thresholds():
+def test_min_fuse_bytes_per_kind_thresholds(monkeypatch):
     from eagertp.backends import MIN_FUSE_BYTES, BackendChoice
 
-    choice = BackendChoice("auto", {"all_gather": 0})
-    assert choice.min_bytes("cpu", "all_gather") == 0
-    assert choice.min_bytes("cpu", "reduce_scatter") == MIN_FUSE_BYTES["cpu", "reduce_scatter"] > 0
+    monkeypatch.setitem(MIN_FUSE_BYTES, ("cpu", "reduce_scatter"), 512 << 10)  # conftest zeroed it
+    choice = BackendChoice("auto", {"all_gather": 1})
+    assert choice.min_bytes("cpu", "all_gather") == 1
+    assert choice.min_bytes("cpu", "reduce_scatter") == 512 << 10
     assert BackendChoice("auto", 7).min_bytes("cuda", "reduce_scatter") == 7
 
 
