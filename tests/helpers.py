@@ -15,14 +15,16 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 def integer_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Small integers: every matmul over them is exact, so fused == eager bitwise."""
+    """Small integers: every matmul over them is exact, so fused == eager bitwise.
+    Drawn on the CPU, placed on the default device (``with torch.device("cuda")``
+    runs a worker on a GPU: tests/test_cuda.py)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-3, 4, shape, generator=g).to(dtype)
+    return torch.randint(-3, 4, shape, generator=g, device="cpu").to(torch.get_default_device(), dtype)
 
 
 def random_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g, device="cpu").to(torch.get_default_device(), dtype)
 
 
 def all_gather(x: torch.Tensor, group, gather_dim: int = 0) -> torch.Tensor:

@@ -30,9 +30,9 @@ def _scales(kind, m, n, seed):
         return torch.tensor(1.0), torch.tensor(2.0)
     g = torch.Generator().manual_seed(seed)
     # row-wise: scale_a per row of A [M, 1], scale_b per column of B [1, N] (powers of two: exact)
-    scale_a = 2.0 ** torch.randint(-1, 2, (m, 1), generator=g).float()
-    scale_b = 2.0 ** torch.randint(-1, 2, (1, n), generator=g).float()
-    return scale_a, scale_b
+    scale_a = 2.0 ** torch.randint(-1, 2, (m, 1), generator=g, device="cpu").float()
+    scale_b = 2.0 ** torch.randint(-1, 2, (1, n), generator=g, device="cpu").float()
+    return scale_a.to(torch.get_default_device()), scale_b.to(torch.get_default_device())
 
 
 def _gather_scaled_worker(rank, group, scales, out_dtype_name, bias):
