@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
-from eagertp.backends.base import ChunkConsumer, ChunkProducer
+from eagertp.backends.base import ChunkConsumer, ChunkProducer, OrderedConsumer
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView
 from eagertp.trace import CollectiveRecord
@@ -99,7 +99,9 @@ class AllGatherMatmulPlan:
             for step in steps:
                 step(piece, src, rows)
 
-        return consume
+        # Contractions over the gathered rows add every chunk's product into one output.
+        accumulates = any(mm.operand is not Operand.ROWS for mm in g.consumers)
+        return OrderedConsumer(consume) if accumulates else consume
 
     def render(self) -> str:
         outs = ", ".join(f"${mm.tid}" for mm in self.gather.consumers)

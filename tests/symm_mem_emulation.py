@@ -7,15 +7,17 @@
   ``rendezvous`` maps every peer's, and the handle offers ``rank``,
   ``world_size``, ``get_buffer(peer, ...)`` (a view of *the peer's* memory,
   read and written over NVLink) and ``barrier(channel)``;
-- streams (``current_stream``, the backend stream, ``_sleep``) that order their
-  copies and our callbacks.
+- streams (``current_stream``, the backend stream, events, ``_sleep``) that
+  order their copies and our callbacks.
 
 Here the buffers are files in /dev/shm that every rank of the test's gloo group
 maps (so ``get_buffer(peer)`` is the peer's memory, as on NVLink), ``barrier`` is
-a gloo barrier, and streams are no-ops: CPU ops run in issue order, a stricter
-schedule than CUDA's. Everything else is torch's own code: its chunk order,
-buffer offsets, contiguity checks, workspace sizing (and the error it raises
-when the workspace would have to grow during CUDA graph capture), with
+a gloo barrier, and streams run everything at once, in issue order: a stricter
+schedule than CUDA's, which overlaps the two streams. Event records and waits
+are logged instead, so tests can check the ordering that keeps a consumer
+correct where the streams do overlap. Everything else is torch's own code: its
+chunk order, buffer offsets, contiguity checks, workspace sizing (and the error
+it raises when the workspace would have to grow during CUDA graph capture), with
 eagertp's consumers and producers running inside it.
 """
 
@@ -90,34 +92,73 @@ class _SharedMemorySymmetricMemory:
 
 
 class _InOrderStream:
-    """A CUDA stream where every op runs in issue order: waits are no-ops."""
+    """A CUDA stream whose ops run in issue order (on the CPU, at once): waits
+    are no-ops, but event waits are logged so tests can check the ordering
+    eagertp asks for. ``with stream:`` makes it the current stream."""
+
+    def __init__(self, name: str, streams: EmulatedStreams) -> None:
+        self.name = name
+        self._streams = streams
 
     def wait_stream(self, other: _InOrderStream) -> None:
         pass
 
+    def wait_event(self, event: _Event) -> None:
+        self._streams.log.append(f"{self.name} waits e{event.id}")
+
     def __enter__(self) -> _InOrderStream:
+        self._streams.stack.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        self._streams.stack.pop()
+
+
+class _Event:
+    def __init__(self, streams: EmulatedStreams) -> None:
+        self._streams = streams
+        self.id = streams.events
+        streams.events += 1
+
+    def record(self, stream: _InOrderStream | None = None) -> None:
+        stream = stream or self._streams.current()
+        self._streams.log.append(f"{stream.name} records e{self.id}")
+
+
+class EmulatedStreams:
+    """torch's current and backend streams, and a log of event records and waits."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.events = 0
+        self.stack: list[_InOrderStream] = []
+        self.default = _InOrderStream("current", self)
+        self.backend = _InOrderStream("backend", self)
+
+    def current(self, device=None) -> _InOrderStream:
+        return self.stack[-1] if self.stack else self.default
+
+    def event(self, **kwargs) -> _Event:
+        return _Event(self)
 
 
 @contextlib.contextmanager
 def emulated_symm_mem():
     """Inside: the symm_mem backend accepts CPU tensors and torch's primitives
-    run over shared memory. Whatever a test patches on the objects below (say,
+    run over shared memory; yields the ``EmulatedStreams``. Whatever a test patches on the objects below (say,
     ``torch.cuda.is_current_stream_capturing``) is restored on exit."""
     import torch.distributed._symmetric_memory as symm_mem
 
     from eagertp.backends import symm_mem as backend
 
-    stream = _InOrderStream()
+    streams = EmulatedStreams()
     allocator = _SharedMemorySymmetricMemory()
     patches = [
         (symm_mem, "_SymmetricMemory", allocator),
         (symm_mem, "_group_name_to_workspace_tensor", {}),
-        (symm_mem, "_get_backend_stream", lambda priority=0: stream),
-        (torch.cuda, "current_stream", lambda device=None: stream),
+        (symm_mem, "_get_backend_stream", lambda priority=0: streams.backend),
+        (torch.cuda, "current_stream", streams.current),
+        (torch.cuda, "Event", streams.event),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "is_current_stream_capturing", lambda: False),
         (torch.cuda, "_sleep", lambda cycles: None),
@@ -128,7 +169,7 @@ def emulated_symm_mem():
         setattr(owner, name, value)
     backend._group_reasons.clear()
     try:
-        yield
+        yield streams
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)

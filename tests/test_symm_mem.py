@@ -58,6 +58,44 @@ all_gather #0 f32[2, 3, 8] -> f32[4, 3, 8] on group '2' (2 ranks): fused with ad
 reduce_scatter(sum) #0 f32[4, 3, 8] -> f32[2, 3, 8] on group '2' (2 ranks): fused with mm -> $3 [symm_mem]""")
 
 
+def _stream_order_worker(rank, group, contraction):
+    """Which consumer calls wait for which: a plain column-parallel matmul
+    (each chunk's rows: free to overlap on torch's two streams) or a weight
+    gradient contracting the gathered rows (one accumulator: chained)."""
+    x = integer_tensor((2, 8), torch.float32, seed=rank)
+    h = integer_tensor((2 * group.size(), 4), torch.float32, seed=9)
+    w = integer_tensor((8, 4), torch.float32, seed=10)
+
+    def program():
+        g = all_gather(x, group)
+        return g.t() @ h if contraction else g @ w
+
+    expected = program()
+    with emulated_symm_mem() as streams, EagerMicroPipeline(backend="symm_mem") as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), "stats": dict(pipe.stats), "log": streams.log}
+
+
+@pytest.mark.parametrize("contraction", [False, True], ids=["rows", "contraction"])
+def test_symm_mem_orders_accumulating_consumers_across_streams(pool, contraction):
+    """Note [Consumers on two streams] in eagertp/backends/symm_mem.py."""
+    results = pool.run(_stream_order_worker, 4, contraction)
+    for r in results:
+        assert r["ok"] and r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+        assert r["log"] == results[0]["log"], "every rank's schedule is the same"
+    if not contraction:
+        assert results[0]["log"] == [], "consumers of disjoint rows are left to overlap"
+    else:
+        assert_expected_inline("\n".join(results[0]["log"]), """\
+current records e0
+backend waits e0
+backend records e1
+current waits e1
+current records e2
+backend waits e2
+backend records e3""")
+
+
 def _cpu_tensors_worker(rank, group):
     try:
         with EagerMicroPipeline(backend="symm_mem"):

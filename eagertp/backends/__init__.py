@@ -19,7 +19,11 @@ rank's chunk, called when the backend needs it::
             producer(dst, buf[dst])
         out = reduce(buf[rank] over all ranks)       # sum, avg, max, min, product
 
-``consumer`` may be ``None`` (the gather alone). Invariant 2 of the design: the
+``consumer`` may be ``None`` (the gather alone). Calls to one consumer may
+overlap where a backend runs them on several CUDA streams (symm_mem alternates
+two, as torch's fused ops do: two chunks' matmuls at once fill the GPU better),
+unless it is an ``OrderedConsumer`` (it accumulates: each call must see the
+writes of the calls before it). Invariant 2 of the design: the
 messages a backend exchanges depend only on the buffers' shapes, ``reduce_op``
 and the group, never on the consumer or producer, so a rank that issues a
 collective alone interoperates with a peer that fuses it.
@@ -32,13 +36,15 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer
+from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer, OrderedConsumer
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.backends.ring import RingBackend
 from eagertp.backends import symm_mem
 from eagertp.backends.symm_mem import SymmMemBackend
 
-__all__ = ["BACKENDS", "MIN_FUSE_BYTES", "Backend", "BackendChoice", "ChunkConsumer", "ChunkProducer"]
+__all__ = [
+    "BACKENDS", "MIN_FUSE_BYTES", "Backend", "BackendChoice", "ChunkConsumer", "ChunkProducer", "OrderedConsumer",
+]
 
 BACKENDS: dict[str, type[Backend]] = {
     "ring": RingBackend,

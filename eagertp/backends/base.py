@@ -13,6 +13,22 @@ import torch.distributed as dist
 # pieces of one shard arrive in order, so the last one completes the shard.
 ChunkConsumer = Callable[[torch.Tensor, int, slice], None]
 
+
+class OrderedConsumer:
+    """A consumer whose calls share state (it accumulates into one output), so
+    each call must see the writes of the calls before it. The ring calls
+    consumers one after another on one stream anyway; symm_mem, which runs
+    them on two CUDA streams, chains this one's calls with events."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: ChunkConsumer) -> None:
+        self.fn = fn
+
+    def __call__(self, piece: torch.Tensor, src: int, rows: slice) -> None:
+        self.fn(piece, src, rows)
+
+
 # producer(dst_rank, buf): writes into buf this rank's contribution to the chunk
 # that rank dst_rank keeps after the reduce-scatter.
 ChunkProducer = Callable[[int, torch.Tensor], None]

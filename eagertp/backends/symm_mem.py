@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 
 from eagertp._format import group_str, tensor_str
-from eagertp.backends.base import ChunkConsumer, ChunkProducer, check_gather_buffers, check_scatter_buffers
+from eagertp.backends.base import (
+    ChunkConsumer,
+    ChunkProducer,
+    OrderedConsumer,
+    check_gather_buffers,
+    check_scatter_buffers,
+)
 
 _PRIMITIVES = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all")
 
@@ -90,6 +96,8 @@ class SymmMemBackend:
     ) -> None:
         check_gather_buffers(shard, ag_out, group)
         rows = slice(0, shard.shape[0])
+        if isinstance(consumer, OrderedConsumer):
+            consumer = _in_call_order(consumer)
 
         def shard_consumer(chunk: torch.Tensor, src: int) -> None:
             if consumer is not None:
@@ -115,6 +123,41 @@ class SymmMemBackend:
                 producer, stacked.view(world * out.shape[0], *out.shape[1:]), group.group_name
             )
         _REDUCE[reduce_op](stacked, out)
+
+
+# Note [Consumers on two streams]
+# torch's _pipelined_all_gather_and_consume runs the consumer of this rank's own
+# shard on the current stream, then the consumer of step s on the backend stream
+# (s odd) or the current stream (s even), each after that step's copy, so
+# consecutive calls overlap (``cp s``: the copy of step s's shard):
+#
+#   current: [ consume own ]           [ cp 2 ][ consume 2 ]
+#   backend:    [ cp 1 ][ consume 1 ]             [ cp 3 ][ consume 3 ]
+#
+# Right for consumers writing disjoint rows. An OrderedConsumer accumulates into
+# one tensor (a weight gradient contracting the gathered rows), so each of its
+# calls first waits for the event recorded after the previous call; each copy
+# still overlaps the other stream's consumer:
+#
+#   current: [ consume own ]e0[ cp 2 ]            [ consume 2 ]e2
+#   backend: [ cp 1 ]         [ consume 1 ]e1[ cp 3 ]           [ consume 3 ]
+
+
+def _in_call_order(consumer: OrderedConsumer) -> ChunkConsumer:
+    """``consumer``, its calls ordered across CUDA streams (Note [Consumers on
+    two streams])."""
+    previous: torch.cuda.Event | None = None
+
+    def ordered(piece: torch.Tensor, src: int, rows: slice) -> None:
+        nonlocal previous
+        stream = torch.cuda.current_stream()  # the stream torch runs this call on
+        if previous is not None:
+            stream.wait_event(previous)
+        consumer(piece, src, rows)
+        previous = torch.cuda.Event()
+        previous.record(stream)
+
+    return ordered
 
 
 @contextlib.contextmanager
