@@ -274,7 +274,10 @@ def _chunk_step(mm: PendingMatmul, whole: torch.Tensor) -> ChunkConsumer:
 
     def whole_shard_part(piece: torch.Tensor, src: int, rows: slice) -> None:
         if rows.stop == shard_rows:  # the last piece: the shard is complete
-            part(whole[src], src, slice(0, shard_rows))
+            # NB: a shard delivered whole is the piece itself (symm_mem hands over
+            # this rank's own shard before copying it into ag_out); pieces are
+            # views of whole[src] (the ring).
+            part(piece if rows.start == 0 else whole[src], src, slice(0, shard_rows))
 
     return whole_shard_part
 

@@ -3,7 +3,7 @@ with and without the mode, must produce the same values.
 
 A program is a list of steps over one activation that is either sharded along
 its rows (sequence parallel) or whole on every rank. Gathers, reduce-scatters,
-linears (with and without bias), views, elementwise ops, several consumers of
+linears (with and without bias, or over two rows at a time), views, elementwise ops, several consumers of
 one tensor, reads and flushes mix freely; reads and flushes may happen on one
 rank only, which is exactly what schedule invariance must survive. Weights are
 signed permutations, so values stay integers below 3**10 and plain eager and
@@ -25,7 +25,7 @@ SHARD_ROWS = 3
 ON_SHARDED = ["gather", "gather_dim1"]
 ON_WHOLE = ["scatter", "scatter_dim1"]
 ANYWHERE = [
-    "linear", "linear_bias", "qkv_sum", "relu", "view", "add_self", "cat_batch", "cat_hidden",
+    "linear", "linear_bias", "linear_wide", "qkv_sum", "relu", "view", "add_self", "cat_batch", "cat_hidden",
     "read0", "read1", "flush0", "flush_both",
 ]
 
@@ -47,11 +47,11 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, backend="
 
     from eagertp import EagerMicroPipeline
 
-    def weight(i):
+    def weight(i, width=WIDTH):
         # A signed permutation: a linear keeps magnitudes, so values stay exact.
         g = torch.Generator().manual_seed(1000 + i)
-        signs = torch.randint(0, 2, (WIDTH,), generator=g).float() * 2 - 1
-        return torch.eye(WIDTH)[torch.randperm(WIDTH, generator=g)] * signs[:, None]
+        signs = torch.randint(0, 2, (width,), generator=g).float() * 2 - 1
+        return torch.eye(width)[torch.randperm(width, generator=g)] * signs[:, None]
 
     def execute(pipe):
         x = integer_tensor((2, SHARD_ROWS, WIDTH), torch.float32, seed=rank)  # [B, S/W, H]
@@ -66,6 +66,8 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, backend="
                 x = reduce_scatter(x, group, "sum", 1)
             elif step == "linear":
                 x = F.linear(x, weight(i))
+            elif step == "linear_wide":  # two rows at a time: a row spans rows of a shard
+                x = F.linear(x.reshape(-1, 2 * WIDTH), weight(i, 2 * WIDTH)).view(x.shape)
             elif step == "linear_bias":
                 x = F.linear(x, weight(i), torch.ones(WIDTH))
             elif step == "qkv_sum":
@@ -114,7 +116,7 @@ def test_random_programs_match_plain_eager(pool, steps, autocast, min_fuse_bytes
         )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES))
 def test_random_programs_match_plain_eager_on_symm_mem(pool, steps, autocast, min_fuse_bytes):
     """The same programs through torch's own symmetric-memory primitives

@@ -96,6 +96,28 @@ backend waits e2
 backend records e3""")
 
 
+def _wide_rows_worker(rank, group):
+    """The matmul sees the gathered rows two at a time ([W*4, 16] as [W*2, 32]):
+    its consumer needs each rank's shard whole, and symm_mem hands this rank's
+    own over before ag_out holds it."""
+    x = integer_tensor((4, 16), torch.float32, seed=rank)
+    w = integer_tensor((32, 8), torch.float32, seed=5)
+
+    def program():
+        return all_gather(x, group).reshape(-1, 32) @ w
+
+    expected = program()
+    with EagerMicroPipeline(backend="symm_mem") as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), "stats": dict(pipe.stats)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_symm_mem_matmul_over_rows_spanning_shard_rows(pool, world):
+    for r in pool.run(with_cpu_symm_mem, world, _wide_rows_worker):
+        assert r["ok"] and r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+
+
 def _cpu_tensors_worker(rank, group):
     try:
         with EagerMicroPipeline(backend="symm_mem"):

@@ -10,7 +10,10 @@ import torch.distributed as dist
 
 # consumer(piece, src_rank, rows): piece is rows `rows` (a slice along dim 0) of
 # rank src_rank's shard. A backend delivers each shard whole or in pieces; the
-# pieces of one shard arrive in order, so the last one completes the shard.
+# pieces of one shard arrive in order, as views of its chunk of ag_out, so the
+# last one completes the shard there. A shard delivered whole may be any tensor
+# holding it: ag_out may not hold it yet (symm_mem copies this rank's own shard
+# into ag_out last).
 ChunkConsumer = Callable[[torch.Tensor, int, slice], None]
 
 
