@@ -270,21 +270,23 @@ class EagerMicroPipeline:
 
     def _issue(self, plan: Plan, unfused_reason: str) -> None:
         """Run one collective's plan on the backend and account for it."""
-        backend, note = self._backend.for_collective(plan.buffer, plan.group)
-        label = backend.name if note is None else f"{backend.name}; {note}"
         was_issuing, self._issuing = self._issuing, True
         try:
             # NB: placeholders are filled below autograd: tensors autograd saved for
             # backward are these same storages, and their version counters must not move.
             with _profiler_range(f"eagertp::{plan.name}"), torch._C._AutoDispatchBelowADInplaceOrView():
                 if self.verify:
+                    # NB: before the backend is chosen: symm_mem's first use of a
+                    # group rendezvouses, a collective that mismatched ranks would hang in.
                     _check_ranks_agree(plan.signature(), plan.group)
+                backend, note = self._backend.for_collective(plan.buffer, plan.group)
                 plan.run(backend)
                 if self.verify:
                     for what, got, want, exact in plan.checks():
                         _check_equal(what, got, want, plan.group, exact=exact)
         finally:
             self._issuing = was_issuing
+        label = backend.name if note is None else f"{backend.name}; {note}"
         if plan.fused:
             self.stats[plan.name] += 1
             if isinstance(plan, AllGatherMatmulPlan):

@@ -118,6 +118,18 @@ def test_symm_mem_matmul_over_rows_spanning_shard_rows(pool, world):
         assert r["ok"] and r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
 
 
+@pytest.mark.parametrize("min_fuse_bytes", [0, 40], ids=["both_fused", "one_plain"])
+def test_symm_mem_verify_names_mismatched_shapes_before_the_rendezvous(pool, min_fuse_bytes):
+    """Rank 1 gathers 3 rows, rank 0 two (with 40, under the size rule on rank 0
+    only): verify compares the ranks before symm_mem's first rendezvous on the
+    group, itself a collective that they would not both reach."""
+    from test_reliability import _mismatch_worker
+
+    messages = pool.run(with_cpu_symm_mem, 2, _mismatch_worker, True, min_fuse_bytes)
+    assert messages[0] == messages[1]
+    assert "(rank 0: all_gather of f32[2, 4]; rank 1: all_gather of f32[3, 4])" in messages[0], messages[0]
+
+
 def _cpu_tensors_worker(rank, group):
     try:
         with EagerMicroPipeline(backend="symm_mem"):
