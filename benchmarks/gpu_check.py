@@ -8,7 +8,9 @@ checks the results against plain eager (bf16 tolerance) and that the fused
 path ran, and times both (CUDA events, medians). Then, correctness only, two
 processes sharing device 0 over a gloo group (NCCL refuses two ranks on one
 GPU), if CUDA symmetric memory permits it: where it does not, the table says
-why. Prints a table; exits non-zero on a mismatch or a fused path that did not
+why. That part adds a weight-gradient contraction over the gathered rows, whose
+chunks add into one output from torch's two streams (Note [Consumers on two
+streams]): the one multi-rank check of that ordering on a real GPU. Prints a table; exits non-zero on a mismatch or a fused path that did not
 run. Without CUDA it says so and exits 0.
 
 ``--shared-dry-run`` runs the two-process part on CPU with the ring backend
@@ -142,19 +144,32 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
         g = torch.Generator().manual_seed(rank)
         a = torch.randn(m // 2, k, generator=g).to(device, torch.bfloat16)
         b = torch.randn(k, n, generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
+        h = torch.randn(m, n, generator=torch.Generator().manual_seed(8)).to(device, torch.bfloat16)
+        # op -> (program, the stat that proves it fused, atol)
         cases = {
-            "all_gather_matmul": lambda x: funcol.all_gather_tensor(x, 0, group) @ b.to(x.device),
-            "matmul_reduce_scatter": lambda x: funcol.reduce_scatter_tensor(x @ b.to(x.device), "sum", 0, group).wait(),
+            "all_gather_matmul": (
+                lambda x: funcol.all_gather_tensor(x, 0, group) @ b.to(x.device), "all_gather_matmul", 2e-2
+            ),
+            # A weight gradient: every chunk adds into one output (ordered across
+            # streams). Its sums of m products reach ~sqrt(m): a bf16 ulp is ~0.25 there.
+            "all_gather_contraction": (
+                lambda x: funcol.all_gather_tensor(x, 0, group).t() @ h.to(x.device), "all_gather_matmul", 5e-1
+            ),
+            "matmul_reduce_scatter": (
+                lambda x: funcol.reduce_scatter_tensor(x @ b.to(x.device), "sum", 0, group).wait(),
+                "matmul_reduce_scatter",
+                2e-2,
+            ),
         }
-        for op, program in cases.items():
+        for op, (program, stat, atol) in cases.items():
             row = {"device": f"{device}:0 shared", "world_size": 2, "op": op, "rank": rank}
             expected = program(a.cpu())  # plain eager, on gloo's CPU path
             try:
                 pipe = EagerMicroPipeline(backend=backend, min_fuse_bytes=0)
                 with pipe:
                     got = program(a)
-                ok = torch.allclose(got.float().cpu(), expected.float(), rtol=2e-2, atol=2e-2)
-                row.update(correct=ok, fused_ran=pipe.stats[op] == 1, explain=pipe.explain())
+                ok = torch.allclose(got.float().cpu(), expected.float(), rtol=2e-2, atol=atol)
+                row.update(correct=ok, fused_ran=pipe.stats[stat] == 1, explain=pipe.explain())
             except Exception as e:  # noqa: BLE001 - reported: does symm_mem permit a shared GPU?
                 row.update(correct=None, fused_ran=None, explain=f"{type(e).__name__}: {e}".splitlines()[0])
             rows.append(row)

@@ -18,5 +18,5 @@ def test_gpu_check_shared_device_part_runs_on_cpu():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in (0, 1):
-        for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        for op in ("all_gather_matmul", "all_gather_contraction", "matmul_reduce_scatter"):
             assert f"rank {rank} {op}: correct True, fused True" in done.stdout, done.stdout
