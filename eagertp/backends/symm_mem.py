@@ -150,7 +150,7 @@ def _in_call_order(consumer: OrderedConsumer) -> ChunkConsumer:
 
     def ordered(piece: torch.Tensor, src: int, rows: slice) -> None:
         nonlocal previous
-        stream = torch.cuda.current_stream()  # the stream torch runs this call on
+        stream = torch.cuda.current_stream(piece.device)  # the stream torch runs this call on
         if previous is not None:
             stream.wait_event(previous)
         consumer(piece, src, rows)
