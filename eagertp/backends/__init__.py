@@ -53,6 +53,9 @@ BACKENDS: dict[str, type[Backend]] = {
 }
 
 
+KINDS = ("all_gather", "reduce_scatter")  # the collectives eagertp fuses
+
+
 # Note [Size rule]
 # A collective whose per-rank buffer (the all-gather's shard, the reduce-scatter's
 # output chunk) is smaller than MIN_FUSE_BYTES[device, kind] is not deferred: the
@@ -139,9 +142,6 @@ class BackendChoice:
                     f"Use backend='ring' (any process group) or backend='auto' (symm_mem where it works)."
                 )
         return self._instances[self.name], None
-
-
-KINDS = ("all_gather", "reduce_scatter")
 
 
 def _checked_min_fuse_bytes(value: int | Mapping[str, int] | None) -> int | dict[str, int] | None:
