@@ -182,3 +182,24 @@ def with_cpu_symm_mem(rank, group, worker, *args):
     """A pool job: ``worker(rank, group, *args)`` with symmetric memory emulated."""
     with emulated_symm_mem():
         return worker(rank, group, *args)
+
+
+# Tests that run on both: the ring moves the data with point-to-point messages,
+# symm_mem (emulated) through shared buffers, with no c10d op at all.
+BOTH_BACKENDS = ["ring", "symm_mem"]
+
+
+def run_on(backend: str, pool, worker, world: int, *args):
+    """``pool.run(worker, world, *args)``; for "symm_mem", with symmetric memory
+    emulated, which the workers' ``EagerMicroPipeline()`` (backend "auto") picks."""
+    if backend == "symm_mem":
+        return pool.run(with_cpu_symm_mem, world, worker, *args)
+    return pool.run(worker, world, *args)
+
+
+def assert_moved_by(backend: str, report: dict) -> None:
+    """The fused collectives' data moved by ``backend`` (a ``fusion_report``)."""
+    if backend == "ring":
+        assert report["p2p_ops"] > 0, report
+    else:
+        assert report["p2p_ops"] == 0, report

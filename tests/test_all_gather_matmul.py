@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import DTYPES, OpCounter, all_gather, fusion_report, integer_tensor, random_tensor
+from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
 
@@ -24,12 +25,12 @@ def _inputs(rank, shard_shape, n, dtype, integer, n_weights=1):
     return x, ws
 
 
-def _assert_fused(report: dict, *, calls: int, matmuls: int) -> None:
+def _assert_fused(report: dict, *, calls: int, matmuls: int, backend: str = "ring") -> None:
     assert report["stats"].get("all_gather_matmul") == calls, report
     assert report["stats"].get("fused_matmuls") == matmuls, report
     assert report["stats"].get("unfused_all_gather", 0) == 0, report
     assert report["plain_all_gathers"] == 0, report
-    assert report["p2p_ops"] > 0, report
+    assert_moved_by(backend, report)
 
 
 # -- 2-D mm, shapes and dtypes ---------------------------------------------------
@@ -197,13 +198,14 @@ def _gather_dim_worker(rank, group, shard_shape, gather_dim, bias, dtype_name):
     ids=["3d-dim1", "4d-dim2", "3d-last", "2d-last", "3d-dim1-view"],
 )
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_gather_dims_above_zero_fuse(pool, world, shard_shape, gather_dim, bias):
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_gather_dims_above_zero_fuse(pool, world, shard_shape, gather_dim, bias, backend):
     """Gathers along inner dims become cat(ag.chunk(W), dim) (or a view): the
     cat is filled chunk by chunk and the linear reads rows (or, along the last
     dim, columns) per rank."""
-    for r in pool.run(_gather_dim_worker, world, shard_shape, gather_dim, bias, "f32"):
+    for r in run_on(backend, pool, _gather_dim_worker, world, shard_shape, gather_dim, bias, "f32"):
         assert all(r["ok"]), r
-        _assert_fused(r, calls=1, matmuls=1)
+        _assert_fused(r, calls=1, matmuls=1, backend=backend)
 
 
 def test_gather_dim_trace(pool):
@@ -248,10 +250,11 @@ def _contract_worker(rank, group, forms, dtype_name):
     "forms", [("rows_t",), ("b_rows",), ("rows", "rows_t"), ("rows", "rows_t", "b_rows")], ids="+".join
 )
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_matmuls_contracting_over_gathered_rows_join_the_fused_call(pool, world, forms, dtype):
-    for r in pool.run(_contract_worker, world, forms, dtype):
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_matmuls_contracting_over_gathered_rows_join_the_fused_call(pool, world, forms, dtype, backend):
+    for r in run_on(backend, pool, _contract_worker, world, forms, dtype):
         assert all(r["ok"]), r
-        _assert_fused(r, calls=1, matmuls=len(forms))
+        _assert_fused(r, calls=1, matmuls=len(forms), backend=backend)
 
 
 def test_contracting_matmuls_explained(pool):

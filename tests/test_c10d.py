@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import OpCounter, fusion_report, integer_tensor
+from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
 
@@ -61,12 +62,13 @@ def _megatron_worker(rank, group, async_op, api, min_fuse_bytes=None):
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 # all_gather_single / reduce_scatter_single exist since torch 2.13.
 @pytest.mark.parametrize("api", ["all_gather_into_tensor", "stacked"] + ["all_gather_single"] * hasattr(dist, "all_gather_single"))
-def test_megatron_style_mlp_fuses_both_collectives(pool, world, async_op, api):
-    for r in pool.run(_megatron_worker, world, async_op, api):
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_megatron_style_mlp_fuses_both_collectives(pool, world, async_op, api, backend):
+    for r in run_on(backend, pool, _megatron_worker, world, async_op, api):
         assert r["ok"]
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1, "matmul_reduce_scatter": 1}, r
         assert r["plain_all_gathers"] == 0 and r["plain_reduce_scatters"] == 0, r
-        assert r["p2p_ops"] > 0
+        assert_moved_by(backend, r)
 
 
 def _reduce_op_worker(rank, group, op_name):

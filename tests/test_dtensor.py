@@ -8,6 +8,7 @@ import torch
 import pytest
 import torch.nn as nn
 from helpers import OpCounter, integer_tensor
+from symm_mem_emulation import BOTH_BACKENDS, run_on
 
 from eagertp import EagerMicroPipeline
 
@@ -110,11 +111,13 @@ def _transformer_worker(rank, group, steps, min_fuse_bytes=None):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_dtensor_transformer_block_trains_with_every_tp_collective_fused(pool, world):
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_dtensor_transformer_block_trains_with_every_tp_collective_fused(pool, world, backend):
     """ColwiseParallel / RowwiseParallel / SequenceParallel / PrepareModuleInput on
     attention (separate q, k, v) and an MLP with bias, several SGD steps."""
-    results = pool.run(_transformer_worker, world, 3)
+    results = run_on(backend, pool, _transformer_worker, world, 3)
     for r in results:
+        assert r["explain"].count(f"[{backend}]") == 8, r["explain"]  # the last step's 8 collectives
         expected, got = r["losses"]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         assert all(r["grads_close"]), r["grads_close"]
@@ -125,7 +128,7 @@ def test_dtensor_transformer_block_trains_with_every_tp_collective_fused(pool, w
             assert stats.get("unfused_all_gather", 0) == 0 and stats.get("unfused_reduce_scatter", 0) == 0, stats
     from expecttest import assert_expected_inline
 
-    if world == 2:
+    if world == 2 and backend == "ring":
         assert_expected_inline(results[0]["explain"], """\
 all_gather #0 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with mm -> $2, mm -> $3, mm -> $4 [ring]
 reduce_scatter(sum) #0 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with mm -> $5 [ring]
@@ -165,8 +168,10 @@ def _autocast_transformer_worker(rank, group, min_fuse_bytes=None):
     }
 
 
-def test_dtensor_transformer_under_bf16_autocast_fuses_every_tp_collective(pool):
-    for r in pool.run(_autocast_transformer_worker, 2):
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_dtensor_transformer_under_bf16_autocast_fuses_every_tp_collective(pool, backend):
+    for r in run_on(backend, pool, _autocast_transformer_worker, 2):
+        assert r["explain"].count(f"[{backend}]") == 8, r["explain"]
         torch.testing.assert_close(r["loss"][1], r["loss"][0], rtol=1e-3, atol=1e-3)
         assert all(r["grads_close"]), r["grads_close"]
         assert r["stats"] == {"all_gather_matmul": 4, "fused_matmuls": 8, "matmul_reduce_scatter": 4}, r
