@@ -26,11 +26,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import tempfile
 import uuid
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
+
+
+# Memory-backed where Linux has it; any directory works (mmap keeps it coherent).
+_SHARED_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class _Handle:
@@ -67,7 +72,7 @@ class _SharedMemorySymmetricMemory:
 
     def empty_strided_p2p(self, size, stride, dtype, device, group_name, alloc_id=None) -> torch.Tensor:
         assert list(stride) == [1] and dtype == torch.uint8, "torch's workspace is a flat byte buffer"
-        path = f"/dev/shm/eagertp-test-symm-mem-{uuid.uuid4().hex}"
+        path = os.path.join(_SHARED_DIR, f"eagertp-test-symm-mem-{uuid.uuid4().hex}")
         nbytes = -(-size[0] // 64) * 64  # rounded up: every dtype's view of it stays whole
         buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         self._allocations[buffer.data_ptr()] = (path, group_name)
