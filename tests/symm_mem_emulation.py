@@ -13,9 +13,12 @@
 Here the buffers are files in /dev/shm that every rank of the test's gloo group
 maps (so ``get_buffer(peer)`` is the peer's memory, as on NVLink), ``barrier`` is
 a gloo barrier, and streams run everything at once, in issue order: a stricter
-schedule than CUDA's, which overlaps the two streams. Event records and waits
-are logged instead, so tests can check the ordering that keeps a consumer
-correct where the streams do overlap. Everything else is torch's own code: its
+schedule than CUDA's, which overlaps the two streams. What CUDA may overlap is
+checked instead: streams keep vector clocks that waits and events merge, and
+inside torch's primitives every op's reads and writes are recorded, so that two
+unordered accesses to the same bytes from different streams, one a write, fail
+the test (a race on a GPU). Event records and waits are also logged. Everything
+else is torch's own code: its
 chunk order, buffer offsets, contiguity checks, workspace sizing (and the error
 it raises when the workspace would have to grow during CUDA graph capture), with
 eagertp's consumers and producers running inside it.
@@ -24,6 +27,7 @@ eagertp's consumers and producers running inside it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import tempfile
@@ -31,7 +35,7 @@ import uuid
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
 # Memory-backed where Linux has it; any directory works (mmap keeps it coherent).
@@ -97,19 +101,27 @@ class _SharedMemorySymmetricMemory:
 
 
 class _InOrderStream:
-    """A CUDA stream whose ops run in issue order (on the CPU, at once): waits
-    are no-ops, but event waits are logged so tests can check the ordering
-    eagertp asks for. ``with stream:`` makes it the current stream."""
+    """A CUDA stream whose ops run at once, in issue order. What CUDA would let
+    overlap is tracked instead: each stream keeps a vector clock that its ops
+    advance and that ``wait_stream`` / ``wait_event`` merge, so
+    ``EmulatedStreams`` can tell whether two ops on different streams are
+    ordered. ``with stream:`` makes it the current stream."""
 
     def __init__(self, name: str, streams: EmulatedStreams) -> None:
         self.name = name
         self._streams = streams
+        self.clock: dict[str, int] = {}
 
     def wait_stream(self, other: _InOrderStream) -> None:
-        pass
+        self._merge(other.clock)
 
     def wait_event(self, event: _Event) -> None:
         self._streams.log.append(f"{self.name} waits e{event.id}")
+        self._merge(event.clock)
+
+    def _merge(self, clock: dict[str, int]) -> None:
+        for name, tick in clock.items():
+            self.clock[name] = max(self.clock.get(name, 0), tick)
 
     def __enter__(self) -> _InOrderStream:
         self._streams.stack.append(self)
@@ -123,15 +135,33 @@ class _Event:
     def __init__(self, streams: EmulatedStreams) -> None:
         self._streams = streams
         self.id = streams.events
+        self.clock: dict[str, int] = {}
         streams.events += 1
 
     def record(self, stream: _InOrderStream | None = None) -> None:
         stream = stream or self._streams.current()
         self._streams.log.append(f"{stream.name} records e{self.id}")
+        self.clock = dict(stream.clock)
+
+
+@dataclasses.dataclass
+class _Access:
+    stream: _InOrderStream
+    tick: int  # the stream's clock at the access
+    write: bool
+    nbytes: frozenset[int]  # byte offsets in the storage
+    op: str
+    # NB: held, so that a temporary freed on one stream cannot lend its address
+    # to one made on the other (the CPU allocator would; CUDA's keeps blocks per stream).
+    storage: torch.UntypedStorage
 
 
 class EmulatedStreams:
-    """torch's current and backend streams, and a log of event records and waits."""
+    """torch's current and backend streams, a log of event records and waits,
+    and a race check: inside torch's primitives every op's reads and writes
+    (bytes of storage) are recorded with its stream's clock, and two accesses
+    to the same bytes from different streams, one a write, with neither
+    ordered before the other, raise ``AssertionError`` naming both ops."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
@@ -139,12 +169,81 @@ class EmulatedStreams:
         self.stack: list[_InOrderStream] = []
         self.default = _InOrderStream("current", self)
         self.backend = _InOrderStream("backend", self)
+        self._accesses: dict[int, list[_Access]] = {}  # storage -> accesses
 
     def current(self, device=None) -> _InOrderStream:
         return self.stack[-1] if self.stack else self.default
 
     def event(self, **kwargs) -> _Event:
         return _Event(self)
+
+    def checked(self, primitive):
+        """``primitive`` with its ops race-checked."""
+
+        def run(*args, **kwargs):
+            self._accesses.clear()  # NB: torch starts each with backend.wait_stream(current)
+            with _RaceCheck(self):
+                primitive(*args, **kwargs)
+            assert self.default.clock.get("backend", 0) >= self.backend.clock.get("backend", 0), (
+                f"{primitive.__name__} returned before the current stream waited for the backend stream"
+            )
+
+        return run
+
+    def access(self, op: str, t: torch.Tensor, write: bool) -> None:
+        stream = self.current()
+        stream.clock[stream.name] = stream.clock.get(stream.name, 0) + 1
+        storage = t.untyped_storage()
+        new = _Access(stream, stream.clock[stream.name], write, _bytes_of(t), op, storage)
+        history = self._accesses.setdefault(storage.data_ptr(), [])
+        for old in history:
+            ordered = old.stream is stream or old.tick <= stream.clock.get(old.stream.name, 0)
+            if not ordered and (old.write or write) and old.nbytes & new.nbytes:
+                raise AssertionError(
+                    f"stream race: {op} {'writes' if write else 'reads'} on the {stream.name} stream "
+                    f"bytes that {old.op} {'wrote' if old.write else 'read'} on the {old.stream.name} "
+                    f"stream, with no wait between them"
+                )
+        history.append(new)
+
+
+def _bytes_of(t: torch.Tensor) -> frozenset[int]:
+    """The bytes of its storage that ``t`` (any strides) covers."""
+    if t.numel() == 0:
+        return frozenset()
+    size = t.element_size()
+    elements = torch.as_strided(
+        torch.arange(t.untyped_storage().nbytes() // size), t.shape, t.stride(), t.storage_offset()
+    )
+    return frozenset((elements.reshape(-1, 1) * size + torch.arange(size)).flatten().tolist())
+
+
+class _RaceCheck(TorchDispatchMode):
+    """Records every op's tensor reads and writes (the arguments its schema
+    marks mutable) on the current emulated stream; views access nothing."""
+
+    def __init__(self, streams: EmulatedStreams) -> None:
+        super().__init__()
+        self._streams = streams
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+            for arg, value in _schema_values(func, args, kwargs):
+                write = arg.alias_info is not None and arg.alias_info.is_write
+                for t in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(t, torch.Tensor):
+                        self._streams.access(str(func), t, write)
+        return out
+
+
+def _schema_values(func, args, kwargs):
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            yield arg, args[i]
+        elif arg.name in kwargs:
+            yield arg, kwargs[arg.name]
 
 
 @contextlib.contextmanager
@@ -162,6 +261,10 @@ def emulated_symm_mem():
         (symm_mem, "_SymmetricMemory", allocator),
         (symm_mem, "_group_name_to_workspace_tensor", {}),
         (symm_mem, "_get_backend_stream", lambda priority=0: streams.backend),
+        *(
+            (symm_mem, name, streams.checked(getattr(symm_mem, name)))
+            for name in ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all")
+        ),
         (torch.cuda, "current_stream", streams.current),
         (torch.cuda, "Event", streams.event),
         (torch.cuda, "current_device", lambda: 0),

@@ -96,6 +96,27 @@ backend waits e2
 backend records e3""")
 
 
+def _unordered_contraction_worker(rank, group):
+    """The contraction with its calls left unordered, as before the fix: the
+    emulation's race check must catch it (what makes its silence elsewhere mean
+    something)."""
+    from eagertp.backends import symm_mem as backend
+
+    saved, backend._in_call_order = backend._in_call_order, lambda consumer: consumer
+    try:
+        _stream_order_worker(rank, group, contraction=True)
+    except AssertionError as e:
+        return str(e)
+    finally:
+        backend._in_call_order = saved
+    return None
+
+
+def test_symm_mem_race_check_catches_an_unordered_accumulation(pool):
+    for message in pool.run(_unordered_contraction_worker, 2):
+        assert_expected_inline(message, """stream race: aten.addmm_.default writes on the backend stream bytes that aten.zero_.default wrote on the current stream, with no wait between them""")
+
+
 def _wide_rows_worker(rank, group):
     """The matmul sees the gathered rows two at a time ([W*4, 16] as [W*2, 32]):
     its consumer needs each rank's shard whole, and symm_mem hands this rank's
