@@ -149,7 +149,7 @@ class _Access:
     stream: _InOrderStream
     tick: int  # the stream's clock at the access
     write: bool
-    nbytes: frozenset[int]  # byte offsets in the storage
+    offsets: frozenset[int]  # the bytes of the storage it touched
     op: str
     # NB: held, so that a temporary freed on one stream cannot lend its address
     # to one made on the other (the CPU allocator would; CUDA's keeps blocks per stream).
@@ -198,7 +198,7 @@ class EmulatedStreams:
         history = self._accesses.setdefault(storage.data_ptr(), [])
         for old in history:
             ordered = old.stream is stream or old.tick <= stream.clock.get(old.stream.name, 0)
-            if not ordered and (old.write or write) and old.nbytes & new.nbytes:
+            if not ordered and (old.write or write) and old.offsets & new.offsets:
                 raise AssertionError(
                     f"stream race: {op} {'writes' if write else 'reads'} on the {stream.name} stream "
                     f"bytes that {old.op} {'wrote' if old.write else 'read'} on the {old.stream.name} "
@@ -249,7 +249,8 @@ def _schema_values(func, args, kwargs):
 @contextlib.contextmanager
 def emulated_symm_mem():
     """Inside: the symm_mem backend accepts CPU tensors and torch's primitives
-    run over shared memory; yields the ``EmulatedStreams``. Whatever a test patches on the objects below (say,
+    run over shared memory, race-checked; yields the ``EmulatedStreams``.
+    Whatever a test patches on the objects below (say,
     ``torch.cuda.is_current_stream_capturing``) is restored on exit."""
     import torch.distributed._symmetric_memory as symm_mem
 
