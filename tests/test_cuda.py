@@ -40,6 +40,8 @@ class Case:
         # symm_mem moved the data: neither the ring nor the plain collective ran
         assert r.get("p2p_ops", 0) == 0 and r.get("plain_all_gathers", 0) == 0, r
         assert r.get("plain_reduce_scatters", 0) == 0, r
+        said = r.get("explain") or r.get("trace")  # what the worker kept of the pipeline's account
+        assert said is None or ("[symm_mem]" in said and "[ring" not in said), said
 
 
 CASES = {
