@@ -3,10 +3,12 @@ with and without the mode, must produce the same values.
 
 A program is a list of steps over one activation that is either sharded along
 its rows (sequence parallel) or whole on every rank. Gathers, reduce-scatters,
-linears (with and without bias, or over two rows at a time), views, elementwise ops, several consumers of
-one tensor, reads and flushes mix freely; reads and flushes may happen on one
+linears (with and without bias, or over two rows at a time), weight gradients
+contracting the rows, views, elementwise ops, several consumers of one tensor,
+reads and flushes mix freely; reads and flushes may happen on one
 rank only, which is exactly what schedule invariance must survive. Weights are
-signed permutations, so values stay integers below 3**10 and plain eager and
+signed permutations, so values stay integers below 3**10 (weight gradients,
+summing at most 24 rows of them against +-1, below 2**24) and plain eager and
 eagertp must agree bitwise; half the programs run under bf16 autocast, where
 both round the same values the same way. The size rule's threshold is drawn too,
 so fused, deferred-then-plain and never-deferred collectives mix.
@@ -25,7 +27,7 @@ SHARD_ROWS = 3
 ON_SHARDED = ["gather", "gather_dim1"]
 ON_WHOLE = ["scatter", "scatter_dim1"]
 ANYWHERE = [
-    "linear", "linear_bias", "linear_wide", "qkv_sum", "relu", "view", "add_self", "cat_batch", "cat_hidden",
+    "linear", "linear_bias", "linear_wide", "qkv_sum", "wgrad", "relu", "view", "add_self", "cat_batch", "cat_hidden",
     "read0", "read1", "flush0", "flush_both",
 ]
 
@@ -53,8 +55,13 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, backend="
         signs = torch.randint(0, 2, (width,), generator=g).float() * 2 - 1
         return torch.eye(width)[torch.randperm(width, generator=g)] * signs[:, None]
 
+    def signs(shape, i):
+        g = torch.Generator().manual_seed(2000 + i)
+        return torch.randint(0, 2, shape, generator=g).float() * 2 - 1
+
     def execute(pipe):
         x = integer_tensor((2, SHARD_ROWS, WIDTH), torch.float32, seed=rank)  # [B, S/W, H]
+        side = []  # results kept aside: weight gradients
         for i, step in enumerate(steps):
             if step == "gather":  # Megatron-style: rows of a 2-D [B*S/W, H] view
                 x = all_gather(x.reshape(-1, WIDTH), group).view(x.shape[0], -1, WIDTH)
@@ -68,6 +75,9 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, backend="
                 x = F.linear(x, weight(i))
             elif step == "linear_wide":  # two rows at a time: a row spans rows of a shard
                 x = F.linear(x.reshape(-1, 2 * WIDTH), weight(i, 2 * WIDTH)).view(x.shape)
+            elif step == "wgrad":  # contracts the rows (a gathered tensor's, when pending): kept aside
+                rows = x.reshape(-1, WIDTH)
+                side.append(rows.t() @ signs((rows.shape[0], WIDTH), i))
             elif step == "linear_bias":
                 x = F.linear(x, weight(i), torch.ones(WIDTH))
             elif step == "qkv_sum":
@@ -87,7 +97,7 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, backend="
             elif step in ("flush0", "flush_both") and pipe is not None:
                 if step == "flush_both" or rank == 0:
                     pipe.flush()
-        return x
+        return [x, *side]
 
     import contextlib
 
@@ -97,7 +107,7 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, backend="
     pipe = EagerMicroPipeline(backend=backend, poison=True, min_fuse_bytes=min_fuse_bytes)
     with precision, pipe:
         got = execute(pipe)
-    return {"equal": torch.equal(got, expected), "explain": pipe.explain()}
+    return {"equal": all(torch.equal(g, e) for g, e in zip(got, expected)), "explain": pipe.explain()}
 
 
 # Per-rank buffers are 192 bytes (float32) or 96 (bf16): the size rule fuses
