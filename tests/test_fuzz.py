@@ -1,4 +1,4 @@
-"""Fuzzing: hypothesis-generated tensor-parallel programs, run on 2 gloo ranks
+"""Fuzzing: hypothesis-generated tensor-parallel programs, run on 2-4 gloo ranks
 with and without the mode, must produce the same values.
 
 A program is a list of steps over one activation that is either sharded along
@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 WIDTH = 8
 SHARD_ROWS = 3
+WORLDS = [2, 3, 4]
 
 # Steps valid on a sharded activation, on a whole one, and on either.
 ON_SHARDED = ["gather", "gather_dim1"]
@@ -117,26 +118,32 @@ MIN_FUSE_BYTES = [0, 100, 200]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES))
-def test_random_programs_match_plain_eager(pool, steps, autocast, min_fuse_bytes):
-    for rank, r in enumerate(pool.run(_run_program, 2, steps, autocast, min_fuse_bytes, timeout=30)):
+@given(
+    steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES),
+    world=st.sampled_from(WORLDS),
+)
+def test_random_programs_match_plain_eager(pool, steps, autocast, min_fuse_bytes, world):
+    for rank, r in enumerate(pool.run(_run_program, world, steps, autocast, min_fuse_bytes, timeout=30)):
         assert r["equal"], (
-            f"rank {rank} differs from plain eager for {steps} (autocast={autocast}, "
+            f"rank {rank} of {world} differs from plain eager for {steps} (autocast={autocast}, "
             f"min_fuse_bytes={min_fuse_bytes}):\n{r['explain']}"
         )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES))
-def test_random_programs_match_plain_eager_on_symm_mem(pool, steps, autocast, min_fuse_bytes):
+@given(
+    steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES),
+    world=st.sampled_from(WORLDS),
+)
+def test_random_programs_match_plain_eager_on_symm_mem(pool, steps, autocast, min_fuse_bytes, world):
     """The same programs through torch's own symmetric-memory primitives
     (tests/symm_mem_emulation.py): its schedule, eagertp's callbacks."""
     from symm_mem_emulation import with_cpu_symm_mem
 
     args = (_run_program, steps, autocast, min_fuse_bytes, "symm_mem")
-    for rank, r in enumerate(pool.run(with_cpu_symm_mem, 2, *args, timeout=30)):
+    for rank, r in enumerate(pool.run(with_cpu_symm_mem, world, *args, timeout=30)):
         assert r["equal"], (
-            f"rank {rank} differs from plain eager for {steps} on symm_mem (autocast={autocast}, "
+            f"rank {rank} of {world} differs from plain eager for {steps} on symm_mem (autocast={autocast}, "
             f"min_fuse_bytes={min_fuse_bytes}):\n{r['explain']}"
         )
         assert "[ring" not in r["explain"], "backend='symm_mem' served every fused collective"
