@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import ROWWISE_SCALES, OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter
+from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 from expecttest import assert_expected_inline
 
 from eagertp import EagerMicroPipeline
@@ -59,11 +60,13 @@ def _gather_scaled_worker(rank, group, scales, out_dtype_name, bias):
 @pytest.mark.parametrize("scales", ["tensorwise", ROWWISE_SCALES])
 @pytest.mark.parametrize("out_dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_all_gather_scaled_matmul(pool, world, scales, out_dtype, bias):
-    for r in pool.run(_gather_scaled_worker, world, scales, out_dtype, bias):
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_all_gather_scaled_matmul(pool, world, scales, out_dtype, bias, backend):
+    for r in run_on(backend, pool, _gather_scaled_worker, world, scales, out_dtype, bias):
         assert r["ok"], r
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
-        assert r["plain_all_gathers"] == 0 and r["p2p_ops"] > 0
+        assert r["plain_all_gathers"] == 0, r
+        assert_moved_by(backend, r)
 
 
 def test_scaled_trace(pool):
@@ -94,11 +97,13 @@ def _scaled_reduce_scatter_worker(rank, group, scales, scatter_dim):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("scales", ["tensorwise", ROWWISE_SCALES])
 @pytest.mark.parametrize("scatter_dim", [0, 1], ids=["rows", "columns"])
-def test_scaled_matmul_reduce_scatter(pool, world, scales, scatter_dim):
-    for r in pool.run(_scaled_reduce_scatter_worker, world, scales, scatter_dim):
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_scaled_matmul_reduce_scatter(pool, world, scales, scatter_dim, backend):
+    for r in run_on(backend, pool, _scaled_reduce_scatter_worker, world, scales, scatter_dim):
         assert r["ok"], r
         assert r["stats"] == {"matmul_reduce_scatter": 1}, r
-        assert r["plain_reduce_scatters"] == 0 and r["p2p_ops"] > 0
+        assert r["plain_reduce_scatters"] == 0, r
+        assert_moved_by(backend, r)
 
 
 def _scaled_contraction_worker(rank, group):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from helpers import ROWWISE_SCALES, OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter
+from helpers import OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter
 from symm_mem_emulation import emulated_symm_mem, with_cpu_symm_mem
 
 from eagertp import EagerMicroPipeline
@@ -183,16 +183,6 @@ def _workspace_error_worker(rank, group):
 def test_symm_mem_surfaces_torch_errors_with_the_collective_named(pool):
     msg = pool.run(with_cpu_symm_mem, 2, _workspace_error_worker)[0]
     assert_expected_inline(msg, """eagertp symm_mem backend, all_gather of f32[8, 4] on group '2' (2 ranks): get_symm_mem_workspace(): the requested size (128 bytes) is greater than the size of the currently allocated workspace (64 bytes). It's currently not possible to expand the workspace size during graph capture. Please invoke `get_symm_mem_workspace(group_name="2", min_size="128")` before initiating the graph capture and try again.""")
-
-
-@pytest.mark.parametrize("scales", ["tensorwise", ROWWISE_SCALES])
-def test_symm_mem_scaled_fp8_gather(pool, scales):
-    from test_scaled import _gather_scaled_worker
-
-    for r in pool.run(with_cpu_symm_mem, 2, _gather_scaled_worker, scales, "bf16", True):
-        assert r["ok"], r
-        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
-        assert r["p2p_ops"] == 0 and r["plain_all_gathers"] == 0, "symm_mem moves the data"
 
 
 def _rendezvous_failure_worker(rank, group):
