@@ -298,12 +298,13 @@ def with_cpu_symm_mem(rank, group, worker, *args):
 BOTH_BACKENDS = ["ring", "symm_mem"]
 
 
-def run_on(backend: str, pool, worker, world: int, *args):
-    """``pool.run(worker, world, *args)``; for "symm_mem", with symmetric memory
-    emulated, which the workers' ``EagerMicroPipeline()`` (backend "auto") picks."""
+def run_on(backend: str, pool, worker, world: int, *args, **kwargs):
+    """``pool.run(worker, world, *args, **kwargs)``; for "symm_mem", with
+    symmetric memory emulated, which the workers' ``EagerMicroPipeline()``
+    (backend "auto") picks."""
     if backend == "symm_mem":
-        return pool.run(with_cpu_symm_mem, world, worker, *args)
-    return pool.run(worker, world, *args)
+        return pool.run(with_cpu_symm_mem, world, worker, *args, **kwargs)
+    return pool.run(worker, world, *args, **kwargs)
 
 
 def assert_moved_by(backend: str, report: dict) -> None:

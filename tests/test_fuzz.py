@@ -16,9 +16,11 @@ so fused, deferred-then-plain and never-deferred collectives mix.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from symm_mem_emulation import BOTH_BACKENDS, run_on
 
 WIDTH = 8
 SHARD_ROWS = 3
@@ -44,7 +46,7 @@ def programs(draw) -> list[str]:
     return steps
 
 
-def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, backend="auto"):
+def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0):
     import torch.nn.functional as F
     from helpers import all_gather, integer_tensor, reduce_scatter
 
@@ -105,7 +107,7 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, backend="
     precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with precision:
         expected = execute(None)
-    pipe = EagerMicroPipeline(backend=backend, poison=True, min_fuse_bytes=min_fuse_bytes)
+    pipe = EagerMicroPipeline(poison=True, min_fuse_bytes=min_fuse_bytes)
     with precision, pipe:
         got = execute(pipe)
     return {"equal": all(torch.equal(g, e) for g, e in zip(got, expected)), "explain": pipe.explain()}
@@ -122,28 +124,15 @@ MIN_FUSE_BYTES = [0, 100, 200]
     steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES),
     world=st.sampled_from(WORLDS),
 )
-def test_random_programs_match_plain_eager(pool, steps, autocast, min_fuse_bytes, world):
-    for rank, r in enumerate(pool.run(_run_program, world, steps, autocast, min_fuse_bytes, timeout=30)):
-        assert r["equal"], (
-            f"rank {rank} of {world} differs from plain eager for {steps} (autocast={autocast}, "
-            f"min_fuse_bytes={min_fuse_bytes}):\n{r['explain']}"
-        )
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES),
-    world=st.sampled_from(WORLDS),
-)
-def test_random_programs_match_plain_eager_on_symm_mem(pool, steps, autocast, min_fuse_bytes, world):
-    """The same programs through torch's own symmetric-memory primitives
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_random_programs_match_plain_eager(pool, backend, steps, autocast, min_fuse_bytes, world):
+    """On the ring, and through torch's own symmetric-memory primitives
     (tests/symm_mem_emulation.py): its schedule, eagertp's callbacks."""
-    from symm_mem_emulation import with_cpu_symm_mem
-
-    args = (_run_program, steps, autocast, min_fuse_bytes, "symm_mem")
-    for rank, r in enumerate(pool.run(with_cpu_symm_mem, world, *args, timeout=30)):
+    args = (steps, autocast, min_fuse_bytes)
+    for rank, r in enumerate(run_on(backend, pool, _run_program, world, *args, timeout=30)):
         assert r["equal"], (
-            f"rank {rank} of {world} differs from plain eager for {steps} on symm_mem (autocast={autocast}, "
+            f"rank {rank} of {world} differs from plain eager for {steps} on {backend} (autocast={autocast}, "
             f"min_fuse_bytes={min_fuse_bytes}):\n{r['explain']}"
         )
-        assert "[ring" not in r["explain"], "backend='symm_mem' served every fused collective"
+        if backend == "symm_mem":
+            assert "[ring" not in r["explain"], "symm_mem served every fused collective"

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from helpers import DTYPES, OpCounter, fusion_report, integer_tensor, random_tensor, reduce_scatter
-from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on, with_cpu_symm_mem
+from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
 
@@ -193,10 +193,7 @@ def _sp_mlp_worker(rank, group, backend, seq_dim):
 @pytest.mark.parametrize("backend", ["ring", "reference", "symm_mem"])
 @pytest.mark.parametrize("seq_dim", [0, 1], ids=["seq-first", "batch-first"])
 def test_sequence_parallel_mlp_forward_backward_all_fused(pool, world, backend, seq_dim):
-    if backend == "symm_mem":  # torch's own primitives, over emulated symmetric memory
-        results = pool.run(with_cpu_symm_mem, world, _sp_mlp_worker, backend, seq_dim)
-    else:
-        results = pool.run(_sp_mlp_worker, world, backend, seq_dim)
+    results = run_on(backend, pool, _sp_mlp_worker, world, backend, seq_dim)
     for r in results:
         assert all(r["ok"]), r
         # forward: AG+addmm, mm+RS; backward: AG(grad) + dgrad & wgrad, mm+RS(dx)
