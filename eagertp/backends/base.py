@@ -37,18 +37,60 @@ class OrderedConsumer:
 ChunkProducer = Callable[[int, torch.Tensor], None]
 
 
+class GatherHandle(Protocol):
+    """An all-gather in flight: ``Backend.start_all_gather`` started moving its
+    data where the program issued it; ``consume`` binds its consumer later.
+
+    ``consume(consumer)`` is called exactly once per handle, on the thread that
+    started it. It runs ``consumer`` on every chunk (pieces of one shard in
+    order; this rank's own shard may come first), computing on chunks that have
+    already landed at once and on the others as they land, and returns when
+    ``ag_out`` holds every chunk (on CUDA: in the current stream's order) and
+    the transfer holds nothing of the caller's any more. ``consumer`` may be
+    None (the gather alone: the same messages).
+
+    Several handles of one group may be in flight at once. They are started in
+    the same order on every rank (program order), but consumed in any order,
+    and in different orders on different ranks: a rank that reads the second
+    gather's result first must still interoperate with one that consumes the
+    first gather first. So every message of a gather is posted (or enqueued)
+    by ``start_all_gather``, never by ``consume``.
+    """
+
+    def consume(self, consumer: ChunkConsumer | None) -> None: ...
+
+
 class Backend(Protocol):
     """The contract every backend implements (see eagertp.backends)."""
 
     name: str
 
-    def all_gather_consume(
-        self, shard: torch.Tensor, consumer: ChunkConsumer | None, ag_out: torch.Tensor, group: dist.ProcessGroup
-    ) -> None: ...
+    def start_all_gather(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> GatherHandle:
+        """Start ``ag_out = all_gather(shard, group)`` (gather dim 0) now. The
+        caller may overwrite ``shard`` as soon as this returns (the backend has
+        copied it into ``ag_out``'s own chunk, or elsewhere); ``ag_out`` belongs
+        to the backend until the handle is consumed."""
+        ...
 
     def produce_reduce_scatter(
         self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
-    ) -> None: ...
+    ) -> None:
+        """The whole reduce-scatter, at the program point, blocking. Gathers of
+        the same group may be in flight (started earlier, consumed later): the
+        backend orders its use of anything they share (symm_mem's workspace)
+        after them."""
+        ...
+
+
+def all_gather_consume(
+    backend: Backend,
+    shard: torch.Tensor,
+    consumer: ChunkConsumer | None,
+    ag_out: torch.Tensor,
+    group: dist.ProcessGroup,
+) -> None:
+    """Start an all-gather and consume it at once: the whole collective, blocking."""
+    backend.start_all_gather(shard, ag_out, group).consume(consumer)
 
 
 def consume_in_order(consumer: ChunkConsumer | None, chunks: torch.Tensor) -> None:
