@@ -9,8 +9,9 @@ path ran, and times both (CUDA events, medians). Then, correctness only, two
 processes sharing device 0 over a gloo group (NCCL refuses two ranks on one
 GPU), if CUDA symmetric memory permits it: where it does not, the table says
 why. That part adds a weight-gradient contraction over the gathered rows, whose
-chunks add into one output from torch's two streams (Note [Consumers on two
-streams]): the one multi-rank check of that ordering on a real GPU. Prints a
+chunks add into one output behind the comm stream's per-chunk events (Note
+[Gathers in flight on the comm stream]): the one multi-rank check of that
+ordering on a real GPU. Prints a
 table; exits non-zero on a mismatch or a fused path that did not run. Without
 CUDA it says so and exits 0.
 

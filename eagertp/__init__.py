@@ -14,7 +14,7 @@ chunk overlaps the transfer of the next chunk. No compile step::
 """
 
 from eagertp.backends import BACKENDS, Backend
-from eagertp.mode import EagerMicroPipeline, VerificationError
+from eagertp.pipeline import EagerMicroPipeline, VerificationError
 
 __all__ = ["BACKENDS", "Backend", "EagerMicroPipeline", "VerificationError"]
 __version__ = "0.1.0"

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 from eagertp._format import dtype_str, group_str
 from eagertp.backends import KINDS
-from eagertp.mode import EagerMicroPipeline
+from eagertp.pipeline import EagerMicroPipeline
 
 __all__ = ["Calibration", "calibrate_min_fuse_bytes", "time_round_robin"]
 

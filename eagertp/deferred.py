@@ -2,18 +2,31 @@
 
 Note [Deferral boundary]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-A pending all-gather hands the program a placeholder (``torch.empty`` of the
-gathered shape) instead of data; a pending matmul hands it a placeholder for its
+Communication starts where the program issues it; only the matmuls wait.
+
+A managed all-gather starts moving data at once (``Backend.start_all_gather``)
+and hands the program a placeholder (``torch.empty`` of the gathered shape)
+that the transfer fills; a deferred matmul hands it a placeholder for its
 output. A tensor is *pending* when its storage is a placeholder's storage: the
 placeholder itself, and any view of it (views share storage, so
 ``view``/``t``/``split``/``_unsafe_view`` outputs stay pending with no
-bookkeeping). An op that would read or write pending storage other than through
-a handler that understands it forces a flush first, so no program ever observes
-an unfilled placeholder.
+bookkeeping). A matmul that reads a gather in flight binds to it as a
+*consumer*; an op that reads any other pending tensor completes the item that
+owns it, and only that one, so no program ever observes an unfilled
+placeholder::
 
-A new collective first issues everything pending, so at most one collective
-is pending at a time and collectives are issued in program order on every rank
-(Invariant 3); only matmuls (and sums of them) gather behind it.
+    program:  ag1 = AG(x)  z = a @ b  q = ag1 @ wq  k = ag1 @ wk  attn(q, k)   ag2 = AG(y) ...
+    comm:     [==== ag1's chunks in flight ====]                              [== ag2 ==
+    compute:               [ a @ b ]                                [q, k on chunk 0][chunk 1][attn]
+                                                  (bound, deferred) ^ attn reads q: ag1 completes
+
+Several gathers may be in flight; they start in program order on every rank
+(Invariant 3) and each one's messages depend only on its shapes and group, so
+a rank that completes them in another order, or reads one early, still
+exchanges the same messages as its peers (Invariant 2). A reduce-scatter runs
+where the program issues it, fused with the pending product that makes its
+input. Mutating an input of pending work, ``flush()`` and leaving the block
+complete everything, in record order.
 
 Every ``mm``/``addmm``/``_scaled_mm`` is deferred: a reduce-scatter may follow.
 Except, while nothing is pending, a matmul whose output is too small for the
@@ -26,7 +39,15 @@ program reads it, skipped at a flush when nothing can reach it (``_unobserved``)
 
 Pending entries are keyed by storage identity (``StorageImpl`` address). The
 store holds the placeholders, so their storages stay alive and a key cannot be
-reused while it is pending; a flush drops every entry.
+reused while it is pending; completing an item drops its entries.
+
+Note [Overlap accounting]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A gather with matmul consumers is fused. One without any still overlapped
+work if matmuls ran while it was in flight (a prefetch: plain eager's async
+all-gather hides behind them, and so does eagertp's); the mode counts matmul
+work (the matmuls it runs and those it defers and computes) and compares at
+completion. Only a gather that overlapped nothing counts as unfused.
 
 Note [Matmul operands of a gather]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -50,6 +71,7 @@ of a chunked reduction otherwise.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import itertools
@@ -60,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from eagertp._format import dtype_str, tensor_str
+from eagertp.backends.base import GatherHandle
 from eagertp.trace import CollectiveRecord, Meta
 
 
@@ -460,7 +483,9 @@ def _unshared(t: torch.Tensor) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class PendingGather:
-    """``out = all_gather_into_tensor(shard, group)`` not yet issued."""
+    """``out = all_gather_into_tensor(shard, group)``, in flight: the backend
+    started moving it where the program issued it (``handle``), and matmuls on
+    ``out`` bind to it as ``consumers`` until something reads it."""
 
     shard: torch.Tensor  # contiguous
     out: torch.Tensor  # placeholder [W * shard.shape[0], *shard.shape[1:]]
@@ -469,6 +494,13 @@ class PendingGather:
     record: CollectiveRecord
     consumers: list[PendingMatmul] = dataclasses.field(default_factory=list)
     views: list[GatheredView] = dataclasses.field(default_factory=list)
+    handle: GatherHandle | None = None  # None until started
+    backend: str = ""  # the backend's name as explain() shows it
+    # verify=True: plain eager's gathered tensor, made when the gather started.
+    reference: torch.Tensor | None = None
+    # Matmul work the mode had seen run when the gather started: what ran while
+    # it was in flight is the difference at completion (Note [Overlap accounting]).
+    work_at_start: int = 0
 
     def __post_init__(self) -> None:
         self.views.append(GatheredView(self.out, 0, self.group.size(), self.tid))
@@ -477,17 +509,32 @@ class PendingGather:
         key = storage_key(t)
         return next((v for v in self.views if storage_key(v.tensor) == key), None)
 
+    def placeholders(self) -> list[torch.Tensor]:
+        return [v.tensor for v in self.views] + [mm.out for mm in self.consumers]
+
+    def inputs(self) -> list[torch.Tensor]:
+        # NB: not the shard: the backend copied it when the gather started, so the
+        # program may overwrite it at once.
+        return [t for mm in self.consumers for t in mm.inputs()]
+
 
 Pending = PendingGather | Product
 
 
+def _placeholders(item: Pending) -> list[torch.Tensor]:
+    if isinstance(item, PendingGather):
+        return item.placeholders()
+    return [item.out, *(sv.tensor for sv in item.scatter_views)]
+
+
 class PendingStore:
-    """Pending work in record order, and which storages it owns and reads."""
+    """Pending work in record order (gathers in flight and standalone products),
+    which storages it owns and which it will read."""
 
     def __init__(self) -> None:
-        self.items: list[Pending] = []  # gathers and standalone matmuls
+        self.items: list[Pending] = []
         self._owner: dict[int, Pending] = {}  # placeholder storage -> item
-        self._inputs: set[int] = set()  # storages that pending work will read
+        self._inputs: collections.Counter[int] = collections.Counter()  # storages pending work reads
         self._ids = itertools.count()
 
     def __bool__(self) -> bool:
@@ -499,7 +546,6 @@ class PendingStore:
     def add_gather(self, gather: PendingGather) -> None:
         self.items.append(gather)
         self._owner[storage_key(gather.out)] = gather
-        self._inputs.add(storage_key(gather.shard))
 
     def add_gathered_view(self, gather: PendingGather, view: GatheredView) -> None:
         gather.views.append(view)
@@ -518,21 +564,29 @@ class PendingStore:
         for sv in product.scatter_views:
             owner[storage_key(sv.tensor)] = product
         for t in product.inputs():
-            inputs.add(storage_key(t))
+            inputs[storage_key(t)] += 1
 
     def add_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
         gather.consumers.append(mm)
         self._owner[storage_key(mm.out)] = gather
-        self._inputs.update(storage_key(t) for t in mm.inputs())
+        for t in mm.inputs():
+            self._inputs[storage_key(t)] += 1
 
-    def remove(self, product: Product) -> None:
-        """Take a standalone product out: its consumer issues it (fused)."""
-        self.items.remove(product)
-        for t in [product.out, *(sv.tensor for sv in product.scatter_views)]:
+    def remove(self, item: Pending) -> None:
+        """Take an item out: it is being issued (or its fused consumer issues it)."""
+        self.items.remove(item)
+        for t in _placeholders(item):
             del self._owner[storage_key(t)]
+        self._inputs.subtract(storage_key(t) for t in item.inputs())
+        self._inputs = +self._inputs  # drop the zeros
 
     def owner(self, t: torch.Tensor) -> Pending | None:
         return self._owner.get(storage_key(t))
+
+    def owners(self, tensors: Iterable[torch.Tensor]) -> list[Pending]:
+        """The pending items that own any of ``tensors``, in record order."""
+        found = {id(item): item for t in tensors if (item := self._owner.get(storage_key(t))) is not None}
+        return [item for item in self.items if id(item) in found]
 
     def gathered_view_of(self, t: torch.Tensor) -> tuple[PendingGather, GatheredView] | None:
         """The pending gather and its view that ``t`` views, if any."""
@@ -574,13 +628,6 @@ class PendingStore:
 
     def is_input(self, t: torch.Tensor) -> bool:
         return storage_key(t) in self._inputs
-
-    def drain(self) -> list[Pending]:
-        """Every pending item in record order; the store forgets them all."""
-        items, self.items = self.items, []
-        self._owner.clear()
-        self._inputs.clear()
-        return items
 
     def reset(self) -> None:
         assert not self.items, "reset with pending work would lose collectives"

@@ -33,8 +33,9 @@ class AllGatherMatmulPlan:
 
     into one micro-pipelined call whose consumer runs, for the chunk of rank i,
     each matmul's share of the work (Note [Matmul operands of a gather]),
-    writing into the placeholders. With no consumers this is the gather alone,
-    issued with the same messages.
+    writing into the placeholders. The gather started where the program issued
+    it; the plan binds the consumers to it and completes it. With no consumers
+    this is the gather alone: the same messages.
     """
 
     gather: PendingGather
@@ -64,9 +65,11 @@ class AllGatherMatmulPlan:
     def fused_with(self) -> list[str]:
         return [mm.describe() for mm in self.gather.consumers]
 
-    def run(self, backend: Backend) -> None:
-        g = self.gather
-        backend.all_gather_consume(g.shard, self.consumer(), g.out, g.group)
+    def run(self) -> None:
+        """Bind the consumers to the gather in flight and complete it."""
+        handle = self.gather.handle
+        assert handle is not None, f"all_gather ${self.gather.tid} completed before it started"
+        handle.consume(self.consumer())
 
     def signature(self) -> str:
         """What every rank must agree on for the messages to match."""
@@ -75,7 +78,8 @@ class AllGatherMatmulPlan:
     def checks(self) -> list[tuple[str, torch.Tensor, torch.Tensor, bool]]:
         """(what, got, plain eager, exact?) for every tensor this plan wrote."""
         g = self.gather
-        view_refs, mm_refs = self.reference()
+        assert g.reference is not None, "verify=True gathers plain eager's result when the gather starts"
+        view_refs, mm_refs = self.reference(g.reference)
         what = f"all_gather {tensor_str(g.shard)} -> {tensor_str(g.out)} on {group_str(g.group)}"
         checks = [
             (what if v.dim == 0 else f"{what}, seen along dim {v.dim}", v.tensor, ref, True)
@@ -108,11 +112,10 @@ class AllGatherMatmulPlan:
         arrow = f" -> {outs}" if outs else ""
         return f"{self.name}(${self.gather.tid}{arrow})"
 
-    def reference(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Plain eager: the collective, the cats, then every matmul on whole tensors."""
+    def reference(self, ag: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Plain eager, given its gathered tensor ``ag``: the cats, then every
+        matmul on whole tensors."""
         g = self.gather
-        ag = torch.empty_like(g.out)
-        ReferenceBackend().all_gather_consume(g.shard, None, ag, g.group)
         views = {id(v): torch.cat(ag.chunk(v.world), v.dim).to(v.tensor.dtype) for v in g.views}
         results = []
         for mm in g.consumers:
@@ -162,6 +165,7 @@ class ReduceScatterPlan:
         return [self.product.describe()]
 
     def run(self, backend: Backend) -> None:
+        """The whole reduce-scatter, now."""
         backend.produce_reduce_scatter(self.producer(), self.out, self.group, self.reduce_op)
 
     def signature(self) -> str:

@@ -36,8 +36,8 @@ class CollectiveRecord:
     """One all-gather or reduce-scatter the mode saw, and what became of it.
 
     ``fused_with`` names the consumers it was fused with; otherwise ``reason``
-    says why it was issued unfused. Exactly one of the two is set once the
-    collective has been issued.
+    says why it was not fused. Exactly one of the two is set once the
+    collective has completed; before, it is in flight.
     """
 
     kind: str  # "all_gather" | "reduce_scatter"
@@ -55,7 +55,8 @@ class CollectiveRecord:
             return (
                 f"{head}: fused with {', '.join(self.fused_with)} [{self.backend}]"
             )
-        assert self.reason is not None, f"{head} was never issued"
+        if self.reason is None:
+            return f"{head}: in flight" + (f" [{self.backend}]" if self.backend else "")
         via = f" [{self.backend}]" if self.backend else ""
         return f"{head}: not fused{via}: {self.reason}"
 

@@ -1,33 +1,38 @@
 """torch's symmetric-memory code, run for real by CPU worker processes.
 
-``_pipelined_all_gather_and_consume``, ``_pipelined_produce_and_all2all`` and
-``get_symm_mem_workspace`` are Python. What they need from CUDA is small:
+``get_symm_mem_workspace`` and ``_pipelined_produce_and_all2all`` are Python,
+and so is eagertp's symm_mem backend. What they need from CUDA is small:
 
 - ``_SymmetricMemory`` (C++): ``empty_strided_p2p`` allocates a rank's buffer,
   ``rendezvous`` maps every peer's, and the handle offers ``rank``,
   ``world_size``, ``get_buffer(peer, ...)`` (a view of *the peer's* memory,
   read and written over NVLink) and ``barrier(channel)``;
-- streams (``current_stream``, the backend stream, events, ``_sleep``) that
+- streams (``current_stream``, torch's backend stream, the streams code creates
+  such as eagertp's comm streams, events, ``synchronize``, ``_sleep``) that
   order their copies and our callbacks.
 
 Here the buffers are files in /dev/shm that every rank of the test's gloo group
 maps (so ``get_buffer(peer)`` is the peer's memory, as on NVLink), ``barrier`` is
 a gloo barrier, and streams run everything at once, in issue order: a stricter
-schedule than CUDA's, which overlaps the two streams. What CUDA may overlap is
-checked instead: streams keep vector clocks that waits and events merge, and
-inside torch's primitives every op's reads and writes are recorded, so that two
-unordered accesses to the same bytes from different streams, one a write, fail
-the test (a race on a GPU). Event records and waits are also logged. Everything
-else is torch's own code: its
-chunk order, buffer offsets, contiguity checks, workspace sizing (and the error
-it raises when the workspace would have to grow during CUDA graph capture), with
-eagertp's consumers and producers running inside it.
+schedule than CUDA's, which overlaps streams (so a gather started on the comm
+stream has landed when its start returns). What CUDA may overlap is checked
+instead (``EmulatedStreams``): from entry to exit of ``emulated_symm_mem``,
+every op's reads and writes are recorded with its stream's vector clock, and
+two unordered accesses to the same bytes from different streams, one a write,
+fail the test (a race on a GPU), across any number of gathers in flight and
+reduce-scatters in between. Stream waits, event records and waits, barriers and
+host waits are also logged. Everything else is the real code: eagertp's
+gathers, and torch's reduce-scatter (its chunk order, buffer offsets,
+contiguity checks) and workspace sizing (and the error it raises when the
+workspace would have to grow during CUDA graph capture), with eagertp's
+consumers and producers running inside.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import tempfile
@@ -35,6 +40,8 @@ import uuid
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
@@ -45,11 +52,14 @@ _SHARED_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 class _Handle:
     """What ``_SymmetricMemory.rendezvous`` returns: every rank's buffer."""
 
-    def __init__(self, buffers: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    def __init__(self, buffers: list[torch.Tensor], group: dist.ProcessGroup, streams: EmulatedStreams) -> None:
         self._buffers = buffers
         self._group = group
+        self._streams = streams
         self.rank = group.rank()
         self.world_size = group.size()
+        with _disable_current_modes():
+            self._signal_pad = torch.zeros(64, dtype=torch.uint8)  # a byte per channel
 
     def get_buffer(self, rank: int, sizes, dtype: torch.dtype, storage_offset: int = 0) -> torch.Tensor:
         flat = self._buffers[rank].view(dtype)
@@ -65,20 +75,30 @@ class _Handle:
         # A signal-pad barrier on CUDA, no c10d op: hidden from the tests' op counters.
         with _disable_current_modes():
             dist.barrier(group=self._group)
+            self._streams.barrier(self._signal_pad[channel : channel + 1], channel)
 
 
 class _SharedMemorySymmetricMemory:
-    """Stands in for ``torch._C._distributed_c10d._SymmetricMemory``."""
+    """Stands in for ``torch._C._distributed_c10d._SymmetricMemory``.
+    ``workspaces`` is torch's group name -> workspace table, which the
+    emulation gives torch: a workspace replaced by a bigger one is freed, and
+    must then be unused by every stream (``EmulatedStreams.check_unused``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: EmulatedStreams, workspaces: dict[str, torch.Tensor | None]) -> None:
+        self._streams = streams
+        self._workspaces = workspaces
         self._allocations: dict[int, tuple[str, str]] = {}  # data_ptr -> (path, group name)
         self._handles: dict[int, _Handle] = {}  # data_ptr -> its rendezvous, as torch caches it
 
     def empty_strided_p2p(self, size, stride, dtype, device, group_name, alloc_id=None) -> torch.Tensor:
         assert list(stride) == [1] and dtype == torch.uint8, "torch's workspace is a flat byte buffer"
+        replaced = self._workspaces.get(group_name)
+        if replaced is not None:  # torch drops it as soon as this returns
+            self._streams.check_unused(replaced, f"the workspace of group {group_name!r}")
         path = os.path.join(_SHARED_DIR, f"eagertp-test-symm-mem-{uuid.uuid4().hex}")
         nbytes = -(-size[0] // 64) * 64  # rounded up: every dtype's view of it stays whole
-        buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        with _disable_current_modes():
+            buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         self._allocations[buffer.data_ptr()] = (path, group_name)
         return buffer
 
@@ -96,14 +116,17 @@ class _SharedMemorySymmetricMemory:
             ]
             dist.barrier(group=group)  # every peer has mapped this rank's file
         os.unlink(path)
-        handle = self._handles[tensor.data_ptr()] = _Handle(buffers, group)
+        for peer, mapped in enumerate(buffers):
+            if peer != group.rank():
+                self._streams.mirror(mapped, tensor)
+        handle = self._handles[tensor.data_ptr()] = _Handle(buffers, group, self._streams)
         return handle
 
 
 class _InOrderStream:
     """A CUDA stream whose ops run at once, in issue order. What CUDA would let
     overlap is tracked instead: each stream keeps a vector clock that its ops
-    advance and that ``wait_stream`` / ``wait_event`` merge, so
+    advance and that ``wait_stream`` / ``wait_event`` / barriers merge, so
     ``EmulatedStreams`` can tell whether two ops on different streams are
     ordered. ``with stream:`` makes it the current stream."""
 
@@ -113,15 +136,25 @@ class _InOrderStream:
         self.clock: dict[str, int] = {}
 
     def wait_stream(self, other: _InOrderStream) -> None:
-        self._merge(other.clock)
+        self._streams.log.append(f"{self.name} waits {other.name}")
+        self.merge(other.clock)
 
     def wait_event(self, event: _Event) -> None:
         self._streams.log.append(f"{self.name} waits e{event.id}")
-        self._merge(event.clock)
+        self.merge(event.clock)
 
-    def _merge(self, clock: dict[str, int]) -> None:
-        for name, tick in clock.items():
-            self.clock[name] = max(self.clock.get(name, 0), tick)
+    def synchronize(self) -> None:
+        """The host waits for this stream: every op issued later, on any
+        stream, comes after its work."""
+        self._streams.log.append(f"host waits {self.name}")
+        _merge(self._streams.host, self.clock)
+
+    def merge(self, clock: dict[str, int]) -> None:
+        _merge(self.clock, clock)
+
+    def tick(self) -> int:
+        self.clock[self.name] = self.clock.get(self.name, 0) + 1
+        return self.clock[self.name]
 
     def __enter__(self) -> _InOrderStream:
         self._streams.stack.append(self)
@@ -131,11 +164,16 @@ class _InOrderStream:
         self._streams.stack.pop()
 
 
+def _merge(into: dict[str, int], clock: dict[str, int]) -> None:
+    for name, tick in clock.items():
+        into[name] = max(into.get(name, 0), tick)
+
+
 class _Event:
     def __init__(self, streams: EmulatedStreams) -> None:
         self._streams = streams
         self.id = streams.events
-        self.clock: dict[str, int] = {}
+        self.clock: dict[str, int] = {}  # never recorded: waiting for it waits for nothing, as on CUDA
         streams.events += 1
 
     def record(self, stream: _InOrderStream | None = None) -> None:
@@ -144,24 +182,54 @@ class _Event:
         self.clock = dict(stream.clock)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Bytes:
+    """Bytes of a storage: every one in [lo, hi), or only ``scattered`` (any strides)."""
+
+    lo: int
+    hi: int
+    scattered: frozenset[int] | None = None
+
+    def overlaps(self, other: _Bytes) -> bool:
+        if self.hi <= other.lo or other.hi <= self.lo:
+            return False
+        if self.scattered is None and other.scattered is None:
+            return True
+        some, span = (self, other) if self.scattered is not None else (other, self)
+        if span.scattered is None:
+            return any(span.lo <= b < span.hi for b in some.scattered)
+        return not some.scattered.isdisjoint(span.scattered)
+
+    def covers(self, other: _Bytes) -> bool:
+        if other.lo < self.lo or other.hi > self.hi:
+            return False
+        if self.scattered is None:
+            return True
+        return set(range(other.lo, other.hi) if other.scattered is None else other.scattered) <= self.scattered
+
+
 @dataclasses.dataclass
 class _Access:
     stream: _InOrderStream
     tick: int  # the stream's clock at the access
     write: bool
-    offsets: frozenset[int]  # the bytes of the storage it touched
+    bytes: _Bytes
     op: str
     # NB: held, so that a temporary freed on one stream cannot lend its address
-    # to one made on the other (the CPU allocator would; CUDA's keeps blocks per stream).
+    # to one made on another (the CPU allocator would; CUDA's keeps blocks per stream).
     storage: torch.UntypedStorage
 
 
 class EmulatedStreams:
-    """torch's current and backend streams, a log of event records and waits,
-    and a race check: inside torch's primitives every op's reads and writes
-    (bytes of storage) are recorded with its stream's clock, and two accesses
-    to the same bytes from different streams, one a write, with neither
-    ordered before the other, raise ``AssertionError`` naming both ops."""
+    """torch's current and backend streams, the streams code creates, a log
+    of stream and event waits, event records, barriers and host waits, and a
+    race check: every op's reads and writes (bytes of storage) are recorded with
+    its stream's clock, and two accesses to the same bytes from different
+    streams, one a write, with neither ordered before the other, raise
+    ``AssertionError`` naming both ops.
+
+    Peers' accesses to this rank's symmetric buffers happen in other processes;
+    they are checked here by symmetry (Note [Peers, mirrored])."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
@@ -169,7 +237,11 @@ class EmulatedStreams:
         self.stack: list[_InOrderStream] = []
         self.default = _InOrderStream("current", self)
         self.backend = _InOrderStream("backend", self)
+        self._created: list[_InOrderStream] = []
+        self._peers: dict[str, _InOrderStream] = {}  # stream name -> the peers' same stream
+        self.host: dict[str, int] = {}  # what the host has waited for, per stream
         self._accesses: dict[int, list[_Access]] = {}  # storage -> accesses
+        self._mirrors: dict[int, torch.Tensor] = {}  # a peer's buffer, mapped here -> this rank's
 
     def current(self, device=None) -> _InOrderStream:
         return self.stack[-1] if self.stack else self.default
@@ -177,108 +249,222 @@ class EmulatedStreams:
     def event(self, **kwargs) -> _Event:
         return _Event(self)
 
-    def checked(self, primitive):
-        """``primitive`` with its ops race-checked."""
+    def new_stream(self, device=None, priority: int = 0, **kwargs) -> _InOrderStream:
+        """``torch.cuda.Stream(...)``: the first is named ``comm`` (eagertp's,
+        made at the first gather), later ones ``stream2``, ``stream3``, ..."""
+        stream = _InOrderStream("comm" if not self._created else f"stream{len(self._created) + 1}", self)
+        self._created.append(stream)
+        return stream
+
+    def synchronize(self, device=None) -> None:
+        """``torch.cuda.synchronize()``: the host waits for every stream."""
+        for stream in (self.default, self.backend, *self._created):
+            stream.synchronize()
+
+    def joined(self, primitive):
+        """``primitive``, checked to return with the current stream past the backend stream's work."""
 
         def run(*args, **kwargs):
-            self._accesses.clear()  # NB: torch starts each with backend.wait_stream(current)
-            with _RaceCheck(self):
-                primitive(*args, **kwargs)
+            primitive(*args, **kwargs)
             assert self.default.clock.get("backend", 0) >= self.backend.clock.get("backend", 0), (
                 f"{primitive.__name__} returned before the current stream waited for the backend stream"
             )
 
         return run
 
-    def access(self, op: str, t: torch.Tensor, write: bool) -> None:
+    # Note [Peers, mirrored]
+    # A symmetric collective runs the same schedule on every rank: where this
+    # rank reads bytes X of peer p's buffer on stream S, some peer reads bytes X
+    # of this rank's buffer on its own stream S, at the same point of it. So an
+    # access to a peer's buffer is recorded as the same access to this rank's
+    # buffer on the pseudo-stream "peers' S", and a barrier on S orders both
+    # ways: S's work before it comes before the peers' S work after it, and
+    # the peers' S work before it before S's work after it. Ordered then means
+    # ordered across ranks: a write to this rank's buffer that a peer may
+    # still read (no closing barrier, or a stream that never waited for it) is
+    # a race here, as on the GPUs.
+
+    def mirror(self, peer_buffer: torch.Tensor, own_buffer: torch.Tensor) -> None:
+        self._mirrors[peer_buffer.untyped_storage().data_ptr()] = own_buffer
+
+    def _peers_of(self, stream: _InOrderStream) -> _InOrderStream:
+        if stream.name not in self._peers:
+            self._peers[stream.name] = _InOrderStream(f"peers' {stream.name}", self)
+        return self._peers[stream.name]
+
+    def barrier(self, pad_byte: torch.Tensor, channel: int) -> None:
+        """A barrier on the current stream: it writes its channel's signal pad
+        (two unordered barriers on one channel race: on CUDA they would take
+        each other's signals), then syncs with the peers' same stream."""
         stream = self.current()
-        stream.clock[stream.name] = stream.clock.get(stream.name, 0) + 1
+        self.log.append(f"{stream.name} barrier {channel}")
+        self.access(f"barrier(channel={channel})", pad_byte, write=True)
+        peers = self._peers_of(stream)
+        stream.merge(peers.clock)
+        peers.merge(stream.clock)
+
+    def access(self, op: str, t: torch.Tensor, write: bool) -> None:
+        span = _bytes_of(t)
+        if span is None:
+            return
         storage = t.untyped_storage()
-        new = _Access(stream, stream.clock[stream.name], write, _bytes_of(t), op, storage)
+        own = self._mirrors.get(storage.data_ptr())
+        if own is None:
+            self._record(self.current(), op, storage, span, write)
+        else:  # Note [Peers, mirrored]
+            self._record(self._peers_of(self.current()), f"{op} (by a peer)", own.untyped_storage(), span, write)
+
+    def _record(self, stream: _InOrderStream, op: str, storage: torch.UntypedStorage, span: _Bytes, write: bool) -> None:
+        new = _Access(stream, stream.tick(), write, span, op, storage)
         history = self._accesses.setdefault(storage.data_ptr(), [])
+        kept = []
         for old in history:
-            ordered = old.stream is stream or old.tick <= stream.clock.get(old.stream.name, 0)
-            if not ordered and (old.write or write) and old.offsets & new.offsets:
+            if not self._ordered(old, stream) and (old.write or write) and old.bytes.overlaps(span):
                 raise AssertionError(
                     f"stream race: {op} {'writes' if write else 'reads'} on the {stream.name} stream "
                     f"bytes that {old.op} {'wrote' if old.write else 'read'} on the {old.stream.name} "
                     f"stream, with no wait between them"
                 )
-        history.append(new)
+            # NB: an older access of this stream that the new one covers (and is no
+            # weaker than: a write covers a read) races with whatever it would race with.
+            if not (old.stream is stream and span.covers(old.bytes) and (write or not old.write)):
+                kept.append(old)
+        kept.append(new)
+        self._accesses[storage.data_ptr()] = kept
+
+    def _ordered(self, old: _Access, stream: _InOrderStream) -> bool:
+        """Whether ``old`` comes before the next op on ``stream``."""
+        name = old.stream.name
+        return old.stream is stream or old.tick <= max(stream.clock.get(name, 0), self.host.get(name, 0))
+
+    def check_unused(self, t: torch.Tensor, what: str) -> None:
+        """``t`` is about to be freed: every access to it (the peers' too) must
+        be one the host has waited for."""
+        for old in self._accesses.get(t.untyped_storage().data_ptr(), []):
+            if old.tick > self.host.get(old.stream.name, 0):
+                raise AssertionError(
+                    f"{what} is freed while {old.op} on the {old.stream.name} stream may still "
+                    f"{'write' if old.write else 'read'} it: the host never waited for that stream"
+                )
 
 
-def _bytes_of(t: torch.Tensor) -> frozenset[int]:
-    """The bytes of its storage that ``t`` (any strides) covers."""
+def _bytes_of(t: torch.Tensor) -> _Bytes | None:
+    """The bytes of its storage that ``t`` covers (None: none)."""
     if t.numel() == 0:
-        return frozenset()
+        return None
     size = t.element_size()
-    elements = torch.as_strided(
-        torch.arange(t.untyped_storage().nbytes() // size), t.shape, t.stride(), t.storage_offset()
-    )
-    return frozenset((elements.reshape(-1, 1) * size + torch.arange(size)).flatten().tolist())
+    lo = t.storage_offset() * size
+    # NB: dims of size 1 or stride 0 (expanded) add no bytes.
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1 and st != 0)
+    if _dense(dims):
+        return _Bytes(lo, lo + math.prod(sz for _, sz in dims) * size)
+    with _disable_current_modes():
+        elements = torch.as_strided(
+            torch.arange(t.untyped_storage().nbytes() // size), t.shape, t.stride(), t.storage_offset()
+        )
+        scattered = frozenset((elements.reshape(-1, 1) * size + torch.arange(size)).flatten().tolist())
+    return _Bytes(min(scattered), max(scattered) + 1, scattered)
+
+
+def _dense(dims: list[tuple[int, int]]) -> bool:
+    """Whether the (stride, size) ``dims``, sorted, fill a block of storage."""
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class _RaceCheck(TorchDispatchMode):
     """Records every op's tensor reads and writes (the arguments its schema
-    marks mutable) on the current emulated stream; views access nothing."""
+    marks mutable) on the current emulated stream; views access nothing.
+    DTensor and funcol's AsyncCollectiveTensor desugar first (into the plain
+    tensors they hold); other subclasses (the FakeTensor of DTensor's sharding
+    propagation) hold no data and pass through; only CPU tensors hold data."""
 
     def __init__(self, streams: EmulatedStreams) -> None:
         super().__init__()
         self._streams = streams
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, _DESUGAR_FIRST) for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
+        if any(t is not torch.Tensor and not issubclass(t, torch.nn.Parameter) for t in types):
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
-            for arg, value in _schema_values(func, args, kwargs):
-                write = arg.alias_info is not None and arg.alias_info.is_write
-                for t in value if isinstance(value, (list, tuple)) else [value]:
-                    if isinstance(t, torch.Tensor):
-                        self._streams.access(str(func), t, write)
+        for i, name, write in _arguments(func):
+            value = args[i] if i < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided:
+                    self._streams.access(str(func), t, write)
         return out
 
 
-def _schema_values(func, args, kwargs):
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args):
-            yield arg, args[i]
-        elif arg.name in kwargs:
-            yield arg, kwargs[arg.name]
+_DESUGAR_FIRST = (DTensor, AsyncCollectiveTensor)
+
+
+# Ops that read none of their tensor arguments' data (on CUDA, no kernel reads
+# them): funcol's wrappers around a collective's result, and factories that
+# take only a tensor's metadata.
+_READ_NOTHING = frozenset({
+    "_c10d_functional::_wrap_tensor_autograd", "_c10d_functional::wait_tensor",
+    "aten::new_empty", "aten::new_empty_strided", "aten::new_zeros", "aten::new_ones", "aten::new_full",
+    "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like",
+})
+
+
+@functools.cache
+def _arguments(func) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, written?) of the arguments ``func`` accesses: none for
+    a view (it aliases its input, reading nothing)."""
+    schema = func._schema
+    if func.name() in _READ_NOTHING or any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        return ()
+    return tuple(
+        (i, arg.name, arg.alias_info is not None and arg.alias_info.is_write) for i, arg in enumerate(schema.arguments)
+    )
 
 
 @contextlib.contextmanager
 def emulated_symm_mem():
-    """Inside: the symm_mem backend accepts CPU tensors and torch's primitives
-    run over shared memory, race-checked; yields the ``EmulatedStreams``.
-    Whatever a test patches on the objects below (say,
+    """Inside: the symm_mem backend accepts CPU tensors, symmetric memory
+    lives in shared memory, and every op is race-checked; yields the
+    ``EmulatedStreams``. Whatever a test patches on the objects below (say,
     ``torch.cuda.is_current_stream_capturing``) is restored on exit."""
     import torch.distributed._symmetric_memory as symm_mem
 
     from eagertp.backends import symm_mem as backend
 
     streams = EmulatedStreams()
-    allocator = _SharedMemorySymmetricMemory()
+    workspaces: dict[str, torch.Tensor | None] = {}
+    allocator = _SharedMemorySymmetricMemory(streams, workspaces)
     patches = [
         (symm_mem, "_SymmetricMemory", allocator),
-        (symm_mem, "_group_name_to_workspace_tensor", {}),
+        (symm_mem, "_group_name_to_workspace_tensor", workspaces),
         (symm_mem, "_get_backend_stream", lambda priority=0: streams.backend),
         *(
-            (symm_mem, name, streams.checked(getattr(symm_mem, name)))
+            (symm_mem, name, streams.joined(getattr(symm_mem, name)))
             for name in ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all")
         ),
         (torch.cuda, "current_stream", streams.current),
+        (torch.cuda, "Stream", streams.new_stream),
         (torch.cuda, "Event", streams.event),
+        (torch.cuda, "synchronize", streams.synchronize),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "is_current_stream_capturing", lambda: False),
         (torch.cuda, "_sleep", lambda cycles: None),
         (backend, "static_reason", lambda t: None),  # CPU tensors welcome, here only
+        (backend, "_comm_streams", {}),  # emulated streams, gone on exit
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
     backend._group_reasons.clear()
     try:
-        yield streams
+        with _RaceCheck(streams):
+            yield streams
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)

@@ -109,7 +109,7 @@ $0: f32[8, 16] = all_gather(f32[4, 16], group '2' (2 ranks))
 $1: f32[8, 8] = mm($0, f32[16, 8])
 $2: f32[8, 8] = mm($0, f32[16, 8])
 $3: f32[8, 8] = mm($0, f32[16, 8])
-flush: aten.mm.default read $1
+wait: aten.mm.default read $1
 all_gather_matmul($0 -> $1, $2, $3) [ring]
 $4: f32[8, 8] = mm(f32[8, 8], f32[8, 8])
 flush: block exited""",
@@ -329,7 +329,7 @@ def test_gather_read_by_non_matmul_first_is_issued_unfused_with_reason(pool):
         assert r["plain_all_gathers"] == 0, "materialised by the same ring protocol"
     from expecttest import assert_expected_inline
 
-    assert_expected_inline(results[0]["explain"], """all_gather #0 f32[2, 8] -> f32[4, 8] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.sum.default read $0""")
+    assert_expected_inline(results[0]["explain"], """all_gather #0 f32[2, 8] -> f32[4, 8] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.sum.default read $0, and none ran while it was in flight""")
 
 
 def _used_after_block_worker(rank, group):
@@ -447,16 +447,23 @@ def _verify_worker(rank, group, corrupt):
     class CorruptingRing(RingBackend):
         """The ring, then one wrong element in rank 0's copy of the gathered tensor."""
 
-        def all_gather_consume(self, shard, consumer, ag_out, group):
-            super().all_gather_consume(shard, consumer, ag_out, group)
-            if group.rank() == 0:
-                ag_out.view(-1)[0] += 1
+        def start_all_gather(self, shard, ag_out, group):
+            handle = super().start_all_gather(shard, ag_out, group)
+            consume = handle.consume
+
+            def consume_then_corrupt(consumer):
+                consume(consumer)
+                if group.rank() == 0:
+                    ag_out.view(-1)[0] += 1
+
+            handle.consume = consume_then_corrupt
+            return handle
 
     x, (w,) = _inputs(rank, (4, 8), 6, torch.float32, True)
     expected = all_gather(x, group) @ w
     pipe = EagerMicroPipeline(verify=True)
     if corrupt:
-        pipe._backend._instances["ring"] = CorruptingRing()  # what "auto" picks for CPU tensors
+        pipe._engine.backend._instances["ring"] = CorruptingRing()  # what "auto" picks for CPU tensors
     try:
         with pipe:
             y = all_gather(x, group) @ w

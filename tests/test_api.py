@@ -149,5 +149,5 @@ def test_zero_size_shard_is_issued_unfused_with_reason(pool):
         assert r["stats"] == {"unfused_all_gather": 1}
     assert_expected_inline(
         results[0]["explain"],
-        """all_gather #0 f32[0, 6] -> f32[0, 6] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.mm.default reads an empty gathered tensor: there is nothing to overlap""",
+        """all_gather #0 f32[0, 6] -> f32[0, 6] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.mm.default reads an empty gathered tensor: there is nothing to overlap, and none ran while it was in flight""",
     )

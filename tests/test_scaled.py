@@ -129,7 +129,7 @@ def test_scaled_contraction_over_a_copy_of_the_gather_is_unfused_with_reason(poo
     for r in results:
         assert r["ok"], r
         assert r["stats"] == {"unfused_all_gather": 1}, r
-    assert_expected_inline(results[0]["explain"], """all_gather #0 u8[16, 16] -> u8[32, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.clone.default read $0""")
+    assert_expected_inline(results[0]["explain"], """all_gather #0 u8[16, 16] -> u8[32, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.clone.default read $0, and none ran while it was in flight""")
 
 
 def _small_fp8_worker(rank, group):
@@ -152,4 +152,4 @@ def test_scaled_matmul_the_meta_kernel_rejects_runs_unfused_with_reason(pool):
     results = pool.run(_small_fp8_worker, 2)
     for r in results:
         assert r["ok"] and r["stats"] == {"unfused_all_gather": 1}, r
-    assert_expected_inline(results[0]["explain"], """all_gather #0 u8[4, 16] -> u8[8, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten._scaled_mm.default reads it with operands that do not defer (_scaled_mm's meta kernel: Expected both dimensions of mat2 to be divisible by 16 but got torch.Size([16, 8]))""")
+    assert_expected_inline(results[0]["explain"], """all_gather #0 u8[4, 16] -> u8[8, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten._scaled_mm.default reads it with operands that do not defer (_scaled_mm's meta kernel: Expected both dimensions of mat2 to be divisible by 16 but got torch.Size([16, 8])), and none ran while it was in flight""")

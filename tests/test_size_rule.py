@@ -217,7 +217,7 @@ def test_every_matmul_defers_with_min_fuse_bytes_zero():
         pipe.debug_string(),
         """\
 $0: f32[8, 8] = mm(f32[8, 8], f32[8, 8])
-flush: aten.relu.default read $0""",
+wait: aten.relu.default read $0""",
     )
 
 

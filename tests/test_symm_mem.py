@@ -1,10 +1,12 @@
-"""The symm_mem backend on CPU, running torch's own symmetric-memory code.
+"""The symm_mem backend on CPU, over torch's own symmetric-memory code.
 
-torch's pipelined primitives and workspace are Python over a small CUDA
-surface; ``symm_mem_emulation`` provides that surface across the test's worker
-processes (shared-memory buffers, gloo barriers, in-order streams), so the
-backend's argument order, buffers, callbacks, gather/scatter dims and local
-reduction run inside torch's real chunk schedule. Selected by ``-k symm_mem``.
+The backend's gathers, torch's pipelined reduce-scatter and its workspace are
+Python over a small CUDA surface; ``symm_mem_emulation`` provides that surface
+across the test's worker processes (shared-memory buffers, gloo barriers,
+in-order streams whose races it checks), so the backend's buffers, streams,
+events, barriers, callbacks, gather/scatter dims and local reduction run for
+real: through the mode, and called directly with gathers in flight (started,
+then consumed in any order). Selected by ``-k symm_mem``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from helpers import OpCounter, all_gather, fusion_report, integer_tensor, reduce
 from symm_mem_emulation import emulated_symm_mem, with_cpu_symm_mem
 
 from eagertp import EagerMicroPipeline
+from eagertp.backends.base import OrderedConsumer
+from eagertp.backends.symm_mem import SymmMemBackend
 
 
 def _mlp_worker(rank, group, gather_dim, reduce_op):
@@ -58,10 +62,11 @@ all_gather #0 f32[2, 3, 8] -> f32[4, 3, 8] on group '2' (2 ranks): fused with ad
 reduce_scatter(sum) #0 f32[4, 3, 8] -> f32[2, 3, 8] on group '2' (2 ranks): fused with mm -> $3 [symm_mem]""")
 
 
-def _stream_order_worker(rank, group, contraction):
-    """Which consumer calls wait for which: a plain column-parallel matmul
-    (each chunk's rows: free to overlap on torch's two streams) or a weight
-    gradient contracting the gathered rows (one accumulator: chained)."""
+def _stream_log_worker(rank, group, contraction):
+    """The stream schedule of a fused gather: a plain column-parallel matmul
+    (each chunk's rows) or a weight gradient contracting the gathered rows (one
+    accumulator): both consume on the current stream, each chunk behind its
+    event."""
     x = integer_tensor((2, 8), torch.float32, seed=rank)
     h = integer_tensor((2 * group.size(), 4), torch.float32, seed=9)
     w = integer_tensor((8, 4), torch.float32, seed=10)
@@ -77,44 +82,290 @@ def _stream_order_worker(rank, group, contraction):
 
 
 @pytest.mark.parametrize("contraction", [False, True], ids=["rows", "contraction"])
-def test_symm_mem_orders_accumulating_consumers_across_streams(pool, contraction):
-    """Note [Consumers on two streams] in eagertp/backends/symm_mem.py."""
-    results = pool.run(_stream_order_worker, 4, contraction)
+def test_symm_mem_consumers_wait_for_their_chunk_on_the_current_stream(pool, contraction):
+    """Note [Gathers in flight on the comm stream] in eagertp/backends/symm_mem.py."""
+    results = pool.run(_stream_log_worker, 4, contraction)
     for r in results:
         assert r["ok"] and r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
         assert r["log"] == results[0]["log"], "every rank's schedule is the same"
-    if not contraction:
-        assert results[0]["log"] == [], "consumers of disjoint rows are left to overlap"
-    else:
+    assert_expected_inline("\n".join(results[0]["log"]), """\
+current records e0
+comm waits current
+comm barrier 2
+comm records e1
+comm records e2
+comm records e3
+comm barrier 2
+current waits e0
+current waits e1
+current waits e2
+current waits e3""")
+
+
+# The backend called directly, as the engine does: gathers started at their
+# program point, consumed later, in any order (the GatherHandle contract).
+
+
+def _shards(world: int, shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    """Every rank's shard, as each rank makes its own."""
+    return [integer_tensor(shape, torch.float32, seed=seed + r) for r in range(world)]
+
+
+def _rows_into(y: torch.Tensor, w: torch.Tensor, shard_rows: int):
+    """A column-parallel matmul's consumer: y[rows of src] = chunk @ w."""
+
+    def consume(piece, src, rows):
+        start = src * shard_rows
+        torch.mm(piece, w, out=y[start + rows.start : start + rows.stop])
+
+    return consume
+
+
+def _accumulate_into(acc: torch.Tensor, h: torch.Tensor, shard_rows: int) -> OrderedConsumer:
+    """A weight gradient's consumer: acc += chunk.t() @ h[rows of src]."""
+
+    def consume(piece, src, rows):
+        start = src * shard_rows
+        acc.addmm_(piece.t(), h[start + rows.start : start + rows.stop])
+
+    return OrderedConsumer(consume)
+
+
+def _two_in_flight_worker(rank, group):
+    """Two gathers started, then consumed in opposite orders on even and odd
+    ranks; the second is bigger, so the workspace grows while the first is in
+    flight."""
+    world = group.size()
+    firsts, seconds = _shards(world, (2, 8), seed=0), _shards(world, (3, 8), seed=100)
+    w = integer_tensor((8, 4), torch.float32, seed=7)
+    h = integer_tensor((3 * world, 5), torch.float32, seed=8)
+    g1, g2 = torch.cat(firsts), torch.cat(seconds)
+    y, acc = torch.empty(2 * world, 4), torch.zeros(8, 5)
+    with emulated_symm_mem() as streams:
+        ag1, ag2 = torch.empty_like(g1), torch.empty_like(g2)
+        backend = SymmMemBackend()
+        first = backend.start_all_gather(firsts[rank], ag1, group)
+        second = backend.start_all_gather(seconds[rank], ag2, group)
+        order = [(first, _rows_into(y, w, 2)), (second, _accumulate_into(acc, h, 3))]
+        for handle, consumer in order if rank % 2 == 0 else reversed(order):
+            handle.consume(consumer)
+    return {
+        "ok": [torch.equal(ag1, g1), torch.equal(ag2, g2), torch.equal(y, g1 @ w), torch.equal(acc, g2.t() @ h)],
+        "log": streams.log,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_symm_mem_gathers_in_flight_consumed_in_any_order(pool, world):
+    results = pool.run(with_cpu_symm_mem, world, _two_in_flight_worker)
+    for r in results:
+        assert all(r["ok"]), r
+    if world == 2:  # every start enqueues its whole transfer; the consumers wait for their chunk only
         assert_expected_inline("\n".join(results[0]["log"]), """\
 current records e0
-backend waits e0
-backend records e1
-current waits e1
+comm waits current
+host waits comm
+comm barrier 2
+comm records e1
+comm barrier 2
 current records e2
-backend waits e2
-backend records e3""")
+comm waits current
+host waits comm
+comm barrier 2
+comm records e3
+comm barrier 2
+current waits e0
+current waits e1
+current waits e2
+current waits e3""")
+        # rank 1 consumes the second first
+        assert_expected_inline("\n".join(results[1]["log"][-4:]), """\
+current waits e2
+current waits e3
+current waits e0
+current waits e1""")
 
 
-def _unordered_contraction_worker(rank, group):
-    """The contraction with its calls left unordered, as before the fix: the
-    emulation's race check must catch it (what makes its silence elsewhere mean
-    something)."""
-    from eagertp.backends import symm_mem as backend
+def _overwritten_shard_worker(rank, group):
+    world = group.size()
+    shards = _shards(world, (2, 8), seed=20)
+    with emulated_symm_mem():
+        ag = torch.empty(2 * world, 8)
+        shard = shards[rank].clone()
+        handle = SymmMemBackend().start_all_gather(shard, ag, group)
+        shard.fill_(-9)  # the caller's buffer is free as soon as the gather has started
+        handle.consume(None)
+    return torch.equal(ag, torch.cat(shards))
 
-    saved, backend._in_call_order = backend._in_call_order, lambda consumer: consumer
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_symm_mem_gather_takes_the_shard_at_its_start(pool, world):
+    assert all(pool.run(with_cpu_symm_mem, world, _overwritten_shard_worker))
+
+
+def _other_stream_worker(rank, group, skip_own_event):
+    """Consumed on another stream than the one that started it (a user
+    stream, say): this rank's own chunk, copied at the start, is waited for too.
+    Without that event the race check must say so."""
+    world = group.size()
+    shards = _shards(world, (2, 8), seed=60)
+    w = integer_tensor((8, 3), torch.float32, seed=9)
+    y = torch.empty(2 * world, 3)
+    with emulated_symm_mem():
+        backend = SymmMemBackend()
+        backend.start_all_gather(shards[rank], torch.empty(2 * world, 8), group).consume(None)  # makes the comm stream
+        other = torch.cuda.Stream()
+        handle = backend.start_all_gather(shards[rank], torch.empty(2 * world, 8), group)
+        if skip_own_event:
+            handle.landed[0] = (rank, None)
+        try:
+            with other:
+                handle.consume(_rows_into(y, w, 2))
+        except AssertionError as e:
+            return str(e)
+        torch.cuda.current_stream().wait_stream(other)
+    return torch.equal(y, torch.cat(shards) @ w)
+
+
+def test_symm_mem_consumed_on_another_stream(pool):
+    assert pool.run(with_cpu_symm_mem, 2, _other_stream_worker, False) == [True, True]
+    message, other = pool.run(with_cpu_symm_mem, 2, _other_stream_worker, True)
+    assert message == other
+    assert_expected_inline(message, """stream race: aten.mm.out reads on the stream2 stream bytes that aten.copy_.default wrote on the current stream, with no wait between them""")
+
+
+def _scatter_between_worker(rank, group, skip_wait):
+    """A gather in flight, a reduce-scatter, then the gather consumed. With
+    ``skip_wait`` the reduce-scatter does not wait for the gathers in flight:
+    the race check must say so (its writes to the workspace that the peers'
+    comm streams may still read)."""
+    from eagertp.backends import symm_mem
+
+    world = group.size()
+    shards = _shards(world, (4, 8), seed=30)  # 128 bytes: the reduce-scatter needs no bigger workspace
+    inputs = _shards(world, (2 * world, 8), seed=40)  # rank i's input to reduce-scatter
+    w = integer_tensor((8, 3), torch.float32, seed=9)
+    y, out = torch.empty(4 * world, 3), torch.empty(2, 8)
+
+    def producer(dst, buf):
+        buf.copy_(inputs[rank][2 * dst : 2 * dst + 2])
+
+    saved = symm_mem._wait_for_gathers
+    if skip_wait:
+        symm_mem._wait_for_gathers = lambda stream, group, device: None
     try:
-        _stream_order_worker(rank, group, contraction=True)
+        with emulated_symm_mem():
+            backend = SymmMemBackend()
+            ag = torch.empty(4 * world, 8)
+            handle = backend.start_all_gather(shards[rank], ag, group)
+            backend.produce_reduce_scatter(producer, out, group, "sum")
+            handle.consume(_rows_into(y, w, 4))
     except AssertionError as e:
         return str(e)
     finally:
-        backend._in_call_order = saved
+        symm_mem._wait_for_gathers = saved
+    g = torch.cat(shards)
+    expected = sum(x[2 * rank : 2 * rank + 2] for x in inputs)
+    return [torch.equal(ag, g), torch.equal(y, g @ w), torch.equal(out, expected)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_symm_mem_reduce_scatter_between_start_and_consume(pool, world):
+    for r in pool.run(with_cpu_symm_mem, world, _scatter_between_worker, False):
+        assert r == [True, True, True], r
+
+
+def test_symm_mem_race_check_catches_a_reduce_scatter_over_gathers_in_flight(pool):
+    message, other = pool.run(with_cpu_symm_mem, 2, _scatter_between_worker, True)
+    assert message == other
+    assert_expected_inline(message, """stream race: aten.copy_.default writes on the backend stream bytes that aten.copy_.default wrote on the comm stream, with no wait between them""")
+
+
+def _unwaited_consumer_worker(rank, group):
+    """A consume that skips its chunks' events (they are swapped for events
+    never recorded): the race check must catch the consumer reading a chunk
+    the comm stream writes."""
+    world = group.size()
+    shards = _shards(world, (2, 8), seed=50)
+    w = integer_tensor((8, 3), torch.float32, seed=9)
+    with emulated_symm_mem() as streams:
+        handle = SymmMemBackend().start_all_gather(shards[rank], torch.empty(2 * world, 8), group)
+        handle.landed = [(src, streams.event()) for src, _ in handle.landed]
+        try:
+            handle.consume(_rows_into(torch.empty(2 * world, 3), w, 2))
+        except AssertionError as e:
+            return str(e)
     return None
 
 
-def test_symm_mem_race_check_catches_an_unordered_accumulation(pool):
-    for message in pool.run(_unordered_contraction_worker, 2):
-        assert_expected_inline(message, """stream race: aten.addmm_.default writes on the backend stream bytes that aten.zero_.default wrote on the current stream, with no wait between them""")
+def test_symm_mem_race_check_catches_a_consumer_that_skips_its_event(pool):
+    message, other = pool.run(with_cpu_symm_mem, 2, _unwaited_consumer_worker)
+    assert message == other
+    assert_expected_inline(message, """stream race: aten.mm.out reads on the current stream bytes that aten.copy_.default wrote on the comm stream, with no wait between them""")
+
+
+def _unsynchronized_growth_worker(rank, group):
+    """The workspace grown while a gather still uses it, without the host wait
+    (Note [Workspace growth]): the emulation must catch the free."""
+    from eagertp.backends import symm_mem
+
+    world = group.size()
+    saved = symm_mem._workspace
+    symm_mem._workspace = lambda group, nbytes, stream: symm_mem._symm_mem_module().get_symm_mem_workspace(
+        group.group_name, min_size=nbytes
+    )
+    try:
+        with emulated_symm_mem():
+            backend = SymmMemBackend()
+            backend.start_all_gather(_shards(world, (2, 8), seed=0)[rank], torch.empty(2 * world, 8), group)
+            backend.start_all_gather(_shards(world, (4, 8), seed=0)[rank], torch.empty(4 * world, 8), group)
+    except AssertionError as e:
+        return str(e)
+    finally:
+        symm_mem._workspace = saved
+    return None
+
+
+def test_symm_mem_emulation_catches_a_workspace_freed_in_use(pool):
+    message, other = pool.run(with_cpu_symm_mem, 2, _unsynchronized_growth_worker)
+    assert message == other
+    assert_expected_inline(message, """the workspace of group '2' is freed while aten.copy_.default on the comm stream may still write it: the host never waited for that stream""")
+
+
+def _unclosed_gather_worker(rank, group):
+    """Gathers without their closing barrier: the next one overwrites this
+    rank's buffer while a peer may still pull from it. No op of this process
+    races with another of its own; the race check sees it through the peers'
+    accesses, mirrored (Note [Peers, mirrored] in symm_mem_emulation.py)."""
+    import symm_mem_emulation
+    from eagertp.backends import symm_mem
+
+    world = group.size()
+    saved = symm_mem_emulation._Handle.barrier
+    calls = []
+
+    def opening_only(handle, channel=0, timeout_ms=0):
+        calls.append(channel)
+        if channel != symm_mem._COMM_CHANNEL or calls.count(channel) % 2 == 1:
+            saved(handle, channel, timeout_ms)
+
+    symm_mem_emulation._Handle.barrier = opening_only
+    try:
+        with emulated_symm_mem():
+            backend = SymmMemBackend()
+            for seed in (0, 10):
+                backend.start_all_gather(_shards(world, (2, 8), seed)[rank], torch.empty(2 * world, 8), group)
+    except AssertionError as e:
+        return str(e)
+    finally:
+        symm_mem_emulation._Handle.barrier = saved
+    return None
+
+
+def test_symm_mem_race_check_sees_the_peers_reads(pool):
+    message, other = pool.run(with_cpu_symm_mem, 2, _unclosed_gather_worker)
+    assert message == other
+    assert_expected_inline(message, """stream race: aten.copy_.default writes on the comm stream bytes that aten.copy_.default (by a peer) read on the peers' comm stream, with no wait between them""")
 
 
 def _wide_rows_worker(rank, group):

@@ -20,10 +20,10 @@ rank's chunk, called when the backend needs it::
         out = reduce(buf[rank] over all ranks)       # sum, avg, max, min, product
 
 ``consumer`` may be ``None`` (the gather alone). Calls to one consumer may
-overlap where a backend runs them on several CUDA streams (symm_mem alternates
-two, as torch's fused ops do: two chunks' matmuls at once fill the GPU better),
-unless it is an ``OrderedConsumer`` (it accumulates: each call must see the
-writes of the calls before it). Invariant 2 of the design: the
+overlap where a backend runs them on several CUDA streams (none does: symm_mem
+runs them on the current stream, each behind its chunk's event), unless it is
+an ``OrderedConsumer`` (it accumulates: each call must see the writes of the
+calls before it). Invariant 2 of the design: the
 messages a backend exchanges depend only on the buffers' shapes, ``reduce_op``
 and the group, never on the consumer or producer, so a rank that issues a
 collective alone interoperates with a peer that fuses it.

@@ -12,16 +12,16 @@ import torch.distributed as dist
 # rank src_rank's shard. A backend delivers each shard whole or in pieces; the
 # pieces of one shard arrive in order, as views of its chunk of ag_out, so the
 # last one completes the shard there. A shard delivered whole may be any tensor
-# holding it: ag_out may not hold it yet (symm_mem copies this rank's own shard
-# into ag_out last).
+# holding it: ag_out may not hold it yet.
 ChunkConsumer = Callable[[torch.Tensor, int, slice], None]
 
 
 class OrderedConsumer:
     """A consumer whose calls share state (it accumulates into one output), so
-    each call must see the writes of the calls before it. The ring calls
-    consumers one after another on one stream anyway; symm_mem, which runs
-    them on two CUDA streams, chains this one's calls with events."""
+    each call must see the writes of the calls before it. The ring and
+    symm_mem call consumers one after another on one stream (symm_mem: the
+    current CUDA stream) anyway; a backend that spread them over several
+    streams would have to chain this one's calls."""
 
     __slots__ = ("fn",)
 

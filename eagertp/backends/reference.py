@@ -25,16 +25,12 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def all_gather_consume(
-        self,
-        shard: torch.Tensor,
-        consumer: ChunkConsumer | None,
-        ag_out: torch.Tensor,
-        group: dist.ProcessGroup,
-    ) -> None:
+    def start_all_gather(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> _AsyncGather:
         check_gather_buffers(shard, ag_out, group)
-        all_gather_single(ag_out, shard, group=group)
-        consume_in_order(consumer, ag_out.view(group.size(), *shard.shape))
+        # NB: as plain eager's async collective reads its input: from a copy, so
+        # that the caller may overwrite shard at once.
+        work = all_gather_single(ag_out, shard.clone(), group=group, async_op=True)
+        return _AsyncGather(work, ag_out.view(group.size(), *shard.shape))
 
     def produce_reduce_scatter(
         self,
@@ -51,3 +47,14 @@ class ReferenceBackend:
         reduce_scatter_single(out, full, op=REDUCE_OPS[reduce_op], group=group)
         if reduce_op == "avg":
             out.div_(world)
+
+
+class _AsyncGather:
+    """The plain async collective in flight; the consumer runs once it is complete."""
+
+    def __init__(self, work: dist.Work, chunks: torch.Tensor) -> None:
+        self._work, self._chunks = work, chunks
+
+    def consume(self, consumer: ChunkConsumer | None) -> None:
+        self._work.wait()
+        consume_in_order(consumer, self._chunks)

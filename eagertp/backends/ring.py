@@ -3,24 +3,29 @@
 Works on any process group that supports ``isend``/``irecv``: gloo on CPU,
 NCCL on GPUs.
 
-All-gather + consume
---------------------
-The all-gather runs as a ring: at step ``s`` rank ``r`` forwards the shard it
-holds, ``(r - s) % W``, to rank ``r + 1`` and receives shard ``(r - s - 1) % W``
-from rank ``r - 1``. A shard may travel in pieces (``piece_rows``: split along
-dim 0; one piece by default), and the consumer runs on each piece as soon as it
-has arrived, so only the last piece's work is exposed. On 2 ranks with 3 pieces, as seen by
-rank 0 (``mm[i.j]``: the consumer on piece j of rank i's shard)::
+All-gather, started where the program issues it
+-----------------------------------------------
+``start_all_gather`` copies this rank's shard into its chunk of ``ag_out`` and
+posts, at once, its sends to every peer and its receives from every peer
+(straight into their chunks of ``ag_out``: no staging buffer, no extra
+full-size copy). The transfers then progress in the background (gloo's and
+NCCL's own threads and streams) while the program runs on: no host step is
+needed to forward a shard, as a ring would need with more than 2 ranks. A
+shard may travel in pieces (``piece_rows``: split along dim 0; one piece by
+default). ``consume`` runs the consumer on this rank's own shard, then on each
+peer's pieces in posting order, waiting for each only if it has not landed
+yet. On 3 ranks, as seen by rank 0 (``mm[i]``: the consumer on rank i's shard;
+``indep``: the program's own work between the gather and its first reader)::
 
-    comm:    [ 1.0 ][ 1.1 ][ 1.2 ]
-    compute: [ mm[0] (own shard)   ][ mm[1.0] ][ mm[1.1] ][ mm[1.2] ]
+    program: AG(x) [ indep ] mm(ag) ...read
+    comm:    [ -> 1, -> 2, <- 2, <- 1 ............ ]
+    compute:       [ indep ] [ mm[0] ][ mm[2] ][ mm[1] ]
 
-Received pieces land directly in ``ag_out`` (the placeholder the program already
-holds): there is no staging buffer and no extra full-size copy.
-
-The messages depend only on the shapes and the group, never on the consumer
-(Invariant 2 in DESIGN.md): materialising a gather alone is the same ring with
-no consumer.
+Each rank sends W - 1 copies of its shard and receives W - 1 shards: the same
+bytes as a ring. The messages depend only on the shapes and the group, never
+on the consumer or on when ``consume`` is called (Invariant 2 in DESIGN.md):
+every message is posted by ``start_all_gather``, so ranks may consume gathers
+in flight in any order.
 
 Produce + reduce-scatter
 ------------------------
@@ -49,7 +54,6 @@ from eagertp.backends.base import (
     ChunkProducer,
     check_gather_buffers,
     check_scatter_buffers,
-    consume_in_order,
 )
 
 
@@ -58,49 +62,9 @@ class RingBackend:
 
     name = "ring"
 
-    def all_gather_consume(
-        self,
-        shard: torch.Tensor,
-        consumer: ChunkConsumer | None,
-        ag_out: torch.Tensor,
-        group: dist.ProcessGroup,
-    ) -> None:
+    def start_all_gather(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> _P2PGather:
         check_gather_buffers(shard, ag_out, group)
-        world, rank = group.size(), group.rank()
-        chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
-        chunks[rank].copy_(shard)
-        if world == 1 or shard.numel() == 0:
-            # NB: shapes are equal on every rank, so every rank skips the ring
-            # together and no message is left unmatched.
-            consume_in_order(consumer, chunks)
-            return
-
-        send_to, recv_from = (rank + 1) % world, (rank - 1) % world
-        rows = piece_rows(shard)  # the same on every rank: it depends on the shape only
-
-        def recv_pieces(src: int) -> list[dist.Work]:
-            return [_irecv(chunks[src][r], group, recv_from) for r in rows]
-
-        # Step 0: this rank's shard goes out, the next shard's pieces are posted.
-        sends = [_isend(chunks[rank][r], group, send_to) for r in rows]
-        src = (rank - 1) % world
-        recvs = recv_pieces(src)
-        if consumer is not None:
-            consumer(chunks[rank], rank, slice(0, shard.shape[0]))
-        for step in range(1, world):
-            forward = step + 1 < world
-            next_recvs = []
-            for r, recv in zip(rows, recvs):
-                # The consumer of piece j overlaps the transfer of piece j+1.
-                recv.wait()
-                if forward:
-                    sends.append(_isend(chunks[src][r], group, send_to))
-                    next_recvs.append(_irecv(chunks[(src - 1) % world][r], group, recv_from))
-                if consumer is not None:
-                    consumer(chunks[src][r], src, r)
-            src, recvs = (src - 1) % world, next_recvs
-        for work in sends:
-            work.wait()
+        return _P2PGather(shard, ag_out, group)
 
     def produce_reduce_scatter(
         self,
@@ -135,6 +99,49 @@ class RingBackend:
             send.wait()
         if reduce_op == "avg":
             out.div_(world)
+
+
+class _P2PGather:
+    """An all-gather in flight: every send and receive posted at construction."""
+
+    def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:
+        world, rank = group.size(), group.rank()
+        self._rank = rank
+        self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
+        chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
+        rows = piece_rows(shard)  # the same on every rank: shapes only
+        # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
+        # (the ring's order, so that sums over chunks add as they always have).
+        sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
+        self._pieces = [(src, r) for src in sources for r in rows]
+        ops = []
+        for step, src in enumerate(sources, start=1):
+            dst = (rank + step) % world
+            ops += [dist.P2POp(dist.isend, chunks[rank][r], group=group, group_peer=dst) for r in rows]
+            ops += [dist.P2POp(dist.irecv, chunks[src][r], group=group, group_peer=src) for r in rows]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) == len(ops):  # gloo: one Work per op
+            self._recvs = [w for op, w in zip(ops, works) if op.op is dist.irecv]
+            self._rest = [w for op, w in zip(ops, works) if op.op is dist.isend]
+        else:  # NCCL coalesces a batch into one Work: the first piece waits for all
+            self._recvs, self._rest = [], works
+
+    def consume(self, consumer: ChunkConsumer | None) -> None:
+        chunks, rank = self._chunks, self._rank
+        if consumer is not None:
+            consumer(chunks[rank], rank, slice(0, chunks.shape[1]))
+        if not self._recvs:
+            for work in self._rest:
+                work.wait()
+        for i, (src, rows) in enumerate(self._pieces):
+            if self._recvs:
+                self._recvs[i].wait()  # at once if it has landed
+            if consumer is not None:
+                # The consumer of one piece overlaps the transfers of the pieces after it.
+                consumer(chunks[src][rows], src, rows)
+        for work in self._rest:
+            work.wait()
+        self._recvs = self._rest = []
 
 
 def _add(acc: torch.Tensor, other: torch.Tensor) -> None:

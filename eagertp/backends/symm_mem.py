@@ -1,41 +1,49 @@
-"""CUDA symmetric memory: torch's own micro-pipelined primitives, on the fly.
+"""CUDA symmetric memory: gathers pulled from the peers' buffers on a
+communication stream, and torch's micro-pipelined reduce-scatter.
 
-The primitives Inductor's micro-pipeline TP pass lowers to take per-chunk
-callbacks and output buffers, so eagertp's consumers and producers plug in
-directly and the placeholders are written in place::
+An all-gather starts where the program issues it and its consumers bind later
+(``Backend.start_all_gather`` -> ``GatherHandle.consume``). At the start, this
+rank's shard goes into the group's symmetric workspace and every peer's shard is
+pulled from that peer's buffer into ``ag_out``, chunk by chunk, all on the
+group's communication stream, which compute never waits for as a whole; ``consume``
+enqueues the consumers on the current stream, each behind its chunk's event
+(Note [Gathers in flight on the comm stream]). This replaces::
 
     _pipelined_all_gather_and_consume(shard, shard_consumer, ag_out, group_name)
+
+which wants its consumer at the call, and runs its even steps' copies and its
+closing barrier on the current stream: called at the program point, it would
+hold the compute stream on the other ranks' progress.
+
+The reduce-scatter is torch's, with eagertp's producer, at its program point::
+
     _pipelined_produce_and_all2all(chunk_producer, output, group_name)
 
-Both are private to torch and may move between releases: ``unavailable_reason``
-detects them (and CUDA) and says why this backend cannot serve a collective,
-and probes each group's workspace once, so that ``backend="auto"`` falls back
-to the ring with that reason and ``backend="symm_mem"`` raises it.
-
-The reduce-scatter gathers every rank's contribution to this rank's chunk
-(all-to-all of produced chunks) and reduces locally, as torch's
+It gathers every rank's contribution to this rank's chunk (all-to-all of
+produced chunks) and reduces locally, as torch's
 ``_fused_matmul_reduce_scatter_impl`` does: W chunk-sized buffers instead of the
 ring's 3.
+
+Both use torch private API that may move between releases: ``unavailable_reason``
+detects it (and CUDA) and says why this backend cannot serve a collective, and
+probes each group's workspace once, so that ``backend="auto"`` falls back to the
+ring with that reason and ``backend="symm_mem"`` raises it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 
 import torch
 import torch.distributed as dist
 
 from eagertp._format import group_str, tensor_str
-from eagertp.backends.base import (
-    ChunkConsumer,
-    ChunkProducer,
-    OrderedConsumer,
-    check_gather_buffers,
-    check_scatter_buffers,
-)
+from eagertp.backends.base import ChunkConsumer, ChunkProducer, check_gather_buffers, check_scatter_buffers
 
-_PRIMITIVES = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all")
+# What this backend uses of torch.distributed._symmetric_memory.
+_TORCH_NAMES = ("_pipelined_produce_and_all2all", "get_symm_mem_workspace", "_group_name_to_workspace_tensor")
 
 
 def _symm_mem_module():
@@ -61,7 +69,7 @@ def static_reason(t: torch.Tensor) -> str | None:
     module = _symm_mem_module()
     if module is None:
         return "this torch has no torch.distributed._symmetric_memory"
-    missing = [name for name in (*_PRIMITIVES, "get_symm_mem_workspace") if not hasattr(module, name)]
+    missing = [name for name in _TORCH_NAMES if not hasattr(module, name)]
     if missing:
         return f"this torch ({torch.__version__}) lacks {', '.join(missing)} in torch.distributed._symmetric_memory"
     return None
@@ -82,30 +90,140 @@ def _group_reason(group: dist.ProcessGroup) -> str | None:
     return _group_reasons[name]
 
 
+# Note [Gathers in flight on the comm stream]
+# start_all_gather enqueues the whole transfer at the program point; consume
+# (later, in any order) enqueues the consumers. On 3 ranks, as seen by rank 0
+# (``own``: the shard into ag_out; ``mv``: ag_out's own chunk into this rank's
+# workspace buffer; ``b``: a barrier with every rank's comm stream; ``cp i``:
+# pull rank i's shard from rank i's buffer into ag_out, then record event
+# ``ei``; ``mm i``: the consumer of rank i's shard; e0 matters only if consume
+# runs on another stream than start):
+#
+#   program: start(AG) ... other work ...       consume(AG, mm)
+#   current: [own]e0[ other work ]         wait e0 [mm 0] wait e1 [mm 1] wait e2 [mm 2]
+#   comm:      wait current [mv][b][cp 1]e1[cp 2]e2[b]
+#
+# The compute stream waits only for the chunks it consumes, when it consumes
+# them (their pulls follow the opening barrier, so the peers' [mv]), never for
+# a closing barrier nor for a gather started later. Consumers all run on the
+# current stream, in order: one that accumulates (an OrderedConsumer) needs
+# nothing more.
+#
+# Several gathers in flight on one group queue up on its comm stream in
+# program order (the same on every rank, so the barriers match), and each
+# rank consumes them in its own order. On 2 ranks, as seen by rank 0, consuming B first:
+#
+#   program: start(A) start(B) ...     consume(B, mm)          consume(A, mm)
+#   current: [own A][own B]            [mm B0] wait B1 [mm B1] [mm A0] wait A1 [mm A1]
+#   comm:       [mv A][b][cp A1]A1[b][mv B][b][cp B1]B1[b]
+#
+# Why the workspace is safe for the next collective:
+# - A gather writes its buffer ([mv]) only behind the closing barrier of the
+#   collective before: an earlier gather's is earlier on the comm stream; a
+#   reduce-scatter's is on the current stream, which the comm stream waits for
+#   at each start. A closing barrier on rank r completes when every rank has
+#   reached it, so when no peer still pulls from rank r's buffer.
+# - The opening barrier [b] after [mv]: no rank pulls before every shard is in
+#   its owner's buffer.
+# - A reduce-scatter (torch's primitive, at its program point, on the current
+#   and torch's backend streams) first makes the current stream wait for the
+#   comm stream: it writes the workspace after every gather in flight has
+#   closed. The compute stream then does wait for the peers: the price of one
+#   workspace per group.
+# - The comm stream's barriers use their own signal-pad channel
+#   (_COMM_CHANNEL): consume waits for the last pull, not for the closing
+#   barrier, so a later symmetric-memory op outside eagertp (torch's
+#   primitives use channels 0 and 1) may barrier on the current stream while
+#   the comm stream's closing barrier runs.
+# - Growth: Note [Workspace growth].
+_COMM_CHANNEL = 2
+
+# (group name, device) -> the stream its gathers' copies and barriers run on.
+# NB: one per group, as its workspace: gathers of different groups never wait
+# for each other, so two groups' collectives issued in different orders by
+# ranks in both (as with separate NCCL communicators) cannot deadlock here.
+_comm_streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+
+
+def _comm_stream(group: dist.ProcessGroup, device: torch.device) -> torch.cuda.Stream:
+    key = (group.group_name, device)
+    stream = _comm_streams.get(key)
+    if stream is None:
+        stream = _comm_streams[key] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def _wait_for_gathers(stream: torch.cuda.Stream, group: dist.ProcessGroup, device: torch.device) -> None:
+    """``stream`` waits for every gather on ``group`` started so far, closing
+    barriers included (Note [Gathers in flight on the comm stream])."""
+    comm = _comm_streams.get((group.group_name, device))
+    if comm is not None:
+        stream.wait_stream(comm)
+
+
+# Note [Workspace growth]
+# get_symm_mem_workspace replaces a group's workspace that is too small for the
+# request, and the old one is freed then. Gathers in flight may still pull from
+# the peers' old buffers on this rank's comm stream, and the peers from this
+# rank's. torch's allocator happens to run cudaDeviceSynchronize before it
+# unmaps a buffer (AllocationRef's destructor); this backend does not rely on
+# that: before a request that will grow the workspace, the host waits for the
+# stream that orders every earlier use of it (the comm stream at a gather's
+# start, which has just waited for the current stream; the current stream
+# before a reduce-scatter, which has just waited for the comm stream). Those
+# uses end with closing barriers, so the wait also covers the peers' pulls
+# from this rank's buffer. Every rank grows at the same collective (sizes
+# depend on shapes only). Growth happens once per larger size, and the wait
+# costs what torch's own synchronize would. Under CUDA graph capture there is
+# no wait: torch raises its own error (the workspace cannot grow during
+# capture; its message says how to size it first).
+
+
+def _workspace(group: dist.ProcessGroup, nbytes: int, stream: torch.cuda.Stream):
+    """``get_symm_mem_workspace(group, nbytes)``, grown safely (Note [Workspace growth])."""
+    module = _symm_mem_module()
+    held = module._group_name_to_workspace_tensor.get(group.group_name)
+    grows = held is None or held.numel() * held.element_size() < nbytes
+    if grows and not torch.cuda.is_current_stream_capturing():
+        stream.synchronize()
+    return module.get_symm_mem_workspace(group.group_name, min_size=nbytes)
+
+
+@dataclasses.dataclass(eq=False)
+class SymmMemGather:
+    """An all-gather in flight: ``ag_out`` fills as the events of ``landed``
+    complete (Note [Gathers in flight on the comm stream])."""
+
+    chunks: torch.Tensor  # ag_out as [W, *shard.shape]: chunks[i] is rank i's shard
+    # (src, the event after which chunks[src] holds rank src's shard; None:
+    # nothing moves it), in delivery order: this rank's own shard first (its
+    # event on the stream that started the gather), then the peers in pull order.
+    landed: list[tuple[int, torch.cuda.Event | None]]
+
+    def consume(self, consumer: ChunkConsumer | None) -> None:
+        """``consumer`` on every chunk, on the current stream, each behind its event."""
+        current = torch.cuda.current_stream(self.chunks.device)
+        rows = slice(0, self.chunks.shape[1])
+        for src, event in self.landed:
+            if event is not None:
+                current.wait_event(event)
+            if consumer is not None:
+                consumer(self.chunks[src], src, rows)
+
+
 class SymmMemBackend:
-    """torch's pipelined symmetric-memory primitives with eagertp's callbacks."""
+    """Gathers on a communication stream over symmetric memory; torch's
+    pipelined reduce-scatter with eagertp's producers."""
 
     name = "symm_mem"
 
-    def all_gather_consume(
-        self,
-        shard: torch.Tensor,
-        consumer: ChunkConsumer | None,
-        ag_out: torch.Tensor,
-        group: dist.ProcessGroup,
-    ) -> None:
+    def start_all_gather(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> SymmMemGather:
+        """Enqueue ``ag_out = all_gather(shard, group)`` whole on the comm stream
+        now; the returned handle's ``consume`` binds the consumers (Note
+        [Gathers in flight on the comm stream])."""
         check_gather_buffers(shard, ag_out, group)
-        rows = slice(0, shard.shape[0])
-        if isinstance(consumer, OrderedConsumer):
-            consumer = _in_call_order(consumer)
-
-        def shard_consumer(chunk: torch.Tensor, src: int) -> None:
-            if consumer is not None:
-                consumer(chunk, src, rows)
-
-        # NB: with no consumer this is the same protocol (Invariant 2).
         with _torch_errors(f"all_gather of {tensor_str(shard)} on {group_str(group)}"):
-            _symm_mem_module()._pipelined_all_gather_and_consume(shard, shard_consumer, ag_out, group.group_name)
+            return _start_gather(shard, ag_out, group)
 
     def produce_reduce_scatter(
         self,
@@ -119,45 +237,58 @@ class SymmMemBackend:
         # stacked[i]: rank i's contribution to this rank's chunk
         stacked = out.new_empty((world, *out.shape))
         with _torch_errors(f"reduce_scatter({reduce_op}) to {tensor_str(out)} on {group_str(group)}"):
+            current = torch.cuda.current_stream(out.device)
+            # NB: torch's primitive writes the workspace from the current stream (and
+            # its backend stream, which waits for the current one): after every
+            # gather in flight has closed (Note [Gathers in flight on the comm stream]).
+            _wait_for_gathers(current, group, out.device)
+            _workspace(group, 2 * out.numel() * out.element_size(), current)  # the size torch asks for
             _symm_mem_module()._pipelined_produce_and_all2all(
                 producer, stacked.view(world * out.shape[0], *out.shape[1:]), group.group_name
             )
         _REDUCE[reduce_op](stacked, out)
 
 
-# Note [Consumers on two streams]
-# torch's _pipelined_all_gather_and_consume runs the consumer of this rank's own
-# shard on the current stream, then the consumer of step s on the backend stream
-# (s odd) or the current stream (s even), each after that step's copy, so
-# consecutive calls overlap (``cp s``: the copy of step s's shard):
-#
-#   current: [ consume own ]           [ cp 2 ][ consume 2 ]
-#   backend:    [ cp 1 ][ consume 1 ]             [ cp 3 ][ consume 3 ]
-#
-# Right for consumers writing disjoint rows. An OrderedConsumer accumulates into
-# one tensor (a weight gradient contracting the gathered rows), so each of its
-# calls first waits for the event recorded after the previous call; each copy
-# still overlaps the other stream's consumer:
-#
-#   current: [ consume own ]e0[ cp 2 ]            [ consume 2 ]e2
-#   backend: [ cp 1 ]         [ consume 1 ]e1[ cp 3 ]           [ consume 3 ]
+def _start_gather(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> SymmMemGather:
+    """Enqueue the whole gather (Note [Gathers in flight on the comm stream])."""
+    world, rank = group.size(), group.rank()
+    chunks = ag_out.view(world, *shard.shape)
+    pull_order = [(rank + step) % world for step in range(1, world)]  # torch's order
+    current = torch.cuda.current_stream(shard.device)
+    chunks[rank].copy_(shard)  # the caller may overwrite shard now
+    # NB: consume may run on another stream than this one (user streams, backward).
+    own = _recorded_on(current)
+    if world == 1 or shard.numel() == 0:
+        # NB: shapes are equal on every rank, so every rank skips the workspace
+        # and its barriers together.
+        return SymmMemGather(chunks, [(rank, own), *((src, None) for src in pull_order)])
+    comm = _comm_stream(group, shard.device)
+    comm.wait_stream(current)
+    if ag_out.is_cuda:
+        # NB: written on the comm stream. Should ag_out be freed before it is
+        # consumed (an exception in between), the caching allocator must not
+        # lend its memory to the current stream while the pulls still write it.
+        ag_out.record_stream(comm)
+    workspace = _workspace(group, shard.numel() * shard.element_size(), comm)
+
+    def buffer(peer: int) -> torch.Tensor:  # rank peer's shard in its workspace
+        return workspace.get_buffer(peer, shard.shape, shard.dtype)
+
+    landed: list[tuple[int, torch.cuda.Event | None]] = [(rank, own)]
+    with comm:
+        buffer(rank).copy_(chunks[rank])
+        workspace.barrier(channel=_COMM_CHANNEL)  # every shard is in its owner's buffer
+        for src in pull_order:
+            chunks[src].copy_(buffer(src))
+            landed.append((src, _recorded_on(comm)))
+        workspace.barrier(channel=_COMM_CHANNEL)  # no peer pulls from this rank's buffer any more
+    return SymmMemGather(chunks, landed)
 
 
-def _in_call_order(consumer: OrderedConsumer) -> ChunkConsumer:
-    """``consumer``, its calls ordered across CUDA streams (Note [Consumers on
-    two streams])."""
-    previous: torch.cuda.Event | None = None
-
-    def ordered(piece: torch.Tensor, src: int, rows: slice) -> None:
-        nonlocal previous
-        stream = torch.cuda.current_stream(piece.device)  # the stream torch runs this call on
-        if previous is not None:
-            stream.wait_event(previous)
-        consumer(piece, src, rows)
-        previous = torch.cuda.Event()
-        previous.record(stream)
-
-    return ordered
+def _recorded_on(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 @contextlib.contextmanager

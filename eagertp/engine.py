@@ -1,0 +1,658 @@
+"""The deferral engine: gathers in flight, pending matmuls, and what completes them.
+
+``Engine`` holds one ``EagerMicroPipeline``'s state (the pending store, the
+trace, the counters, the backend choice) and the operations the op handlers
+call: start a gather, defer a matmul (as a gather's consumer or standalone),
+run a reduce-scatter fused with its producer, complete what a read needs, and
+flush everything. Note [Deferral boundary] in ``eagertp.deferred`` says when
+each happens. The handlers (``eagertp.collectives``, ``eagertp.matmuls``) turn
+ops into these calls; the public class (``eagertp.pipeline``) owns the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from eagertp._format import dtype_str, group_str, tensor_str
+from eagertp.backends import BackendChoice
+from eagertp.backends.base import REDUCE_OPS, all_gather_consume
+from eagertp.backends.reference import ReferenceBackend
+from eagertp.deferred import (
+    GatheredView,
+    Operand,
+    Pending,
+    PendingCast,
+    PendingGather,
+    PendingMatmul,
+    PendingStore,
+    PendingSum,
+    Product,
+    Scaled,
+    ScatterView,
+    storage_key,
+    tensor_leaves,
+)
+from eagertp.patterns import AllGatherMatmulPlan, ReduceScatterPlan, gather_signature, scatter_signature
+from eagertp.trace import CollectiveRecord, Meta, Reason, Trace
+
+log = logging.getLogger(__name__)
+
+# Op namespaces whose ops communicate.
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "symm_mem"})
+
+# Bytes per element of the widest output a fused reduce-scatter takes from a
+# matmul: float32, also after autocast's cast of a half-precision one. (A cast
+# to float64 of a matmul small by this bound is issued unfused: still right.)
+_WIDEST_CAST = 4
+
+
+class VerificationError(RuntimeError):
+    """``verify=True`` found a fused result that differs from plain eager."""
+
+
+class Engine:
+    """Pending work of one ``EagerMicroPipeline`` and the operations on it."""
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup | None,
+        backend: str,
+        verify: bool,
+        poison: bool,
+        min_fuse_bytes: int | Mapping[str, int] | None,
+        max_records: int,
+    ) -> None:
+        self.group = group
+        self.verify = verify
+        self.poison = poison
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.backend = BackendChoice(backend, min_fuse_bytes)
+        self.max_records = max_records
+        self.trace = Trace(max_records=max_records)
+        self.store = PendingStore()
+        # The dispatch mode while the block is active (composite ops re-enter it).
+        self.mode: Any = None
+        # True while the engine issues work: its own ops pass through the mode.
+        self.issuing = False
+        # Matmuls run or computed so far (Note [Overlap accounting]).
+        self.matmul_work = 0
+
+    def reset(self) -> None:
+        self.stats.clear()
+        self.trace = Trace(max_records=self.max_records)
+        self.store.reset()
+        self.matmul_work = 0
+
+    def manages(self, group: dist.ProcessGroup) -> bool:
+        return self.group is None or group.group_name == self.group.group_name
+
+    def managed_group(self, func, group_size: int, group_name: Any) -> dist.ProcessGroup | None:
+        """The collective's group if the mode manages it, else None (it passes
+        through; what is in flight stays in flight)."""
+        group = group_name if isinstance(group_name, dist.ProcessGroup) else c10d._resolve_process_group(group_name)
+        if not self.manages(group):
+            return None
+        if group_size != group.size():
+            raise ValueError(
+                f"{func}: group_size={group_size} but {group_str(group)} has "
+                f"{group.size()} ranks; pass the group's size"
+            )
+        return group
+
+    @contextlib.contextmanager
+    def issuing_work(self):
+        """Ops issued inside pass through the mode, and fill placeholders below
+        autograd: tensors autograd saved for backward are these same storages,
+        and their version counters must not move."""
+        was_issuing, self.issuing = self.issuing, True
+        try:
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                yield
+        finally:
+            self.issuing = was_issuing
+
+    # -- completing pending work -------------------------------------------
+
+    def run_plain(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """Run an op no handler fuses, after completing the pending work it
+        reads (or all of it, if it writes an input of pending work)."""
+        if self.store.items:
+            if func.namespace not in COLLECTIVE_NAMESPACES and _is_composite(func):
+                tensors = tensor_leaves(args, kwargs)
+                if self.store.touched(tensors) is not None:
+                    # NB: composite ops (matmul, linear) reach the mode whole when
+                    # autograd is off (inference_mode); their decomposition (view ->
+                    # mm -> _unsafe_view) is what the handlers understand. Re-enter
+                    # the mode so the decomposed ops come back here.
+                    assert self.mode is not None, "dispatch outside the block"
+                    with self.mode:
+                        result = func.decompose(*args, **kwargs)
+                    if result is not NotImplemented:
+                        return result
+            self.complete_for(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def complete_for(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+        """Complete what ``func`` needs: the pending items it reads (a view op
+        reads nothing), or everything if it writes an input of pending work."""
+        tensors = tensor_leaves(args, kwargs)
+        if func._schema.is_mutable and any(self.store.is_input(t) for t in tensors):
+            self.flush(Reason("{} wrote an input of pending work", func))
+        elif self.store.touched(tensors) is not None and not _is_metadata_only(func):
+            self.complete_owners(tensors, func)
+
+    def complete_owners(self, tensors: Sequence[torch.Tensor], func: Any, why: str | None = None) -> None:
+        """Complete the pending items that own any of ``tensors``, and only
+        those; ``why`` says how ``func`` reads them (default: "read $id")."""
+        owners = self.store.owners(tensors)
+        if owners:
+            if why is None:
+                reason = Reason("{} read ${}", func, self.store.tid_of(self.store.touched(tensors)))
+            else:
+                reason = Reason("{} {}", func, why)
+            self.trace.event("wait: {}", reason)
+            self.complete(owners, reason)
+
+    def flush(self, reason: str | Reason) -> None:
+        """Complete every pending item, in record order."""
+        if self.store.items:
+            self.trace.event("flush: {}", reason)
+            self.complete(list(self.store.items), reason)
+
+    def complete(self, items: list[Pending], reason: str | Reason) -> None:
+        """Complete ``items`` (record order): each gather with the consumers bound
+        to it, each product computed (or skipped if nothing can read it)."""
+        # Complete every item even if one fails, so that no placeholder is left
+        # unfilled and no transfer half-received; then raise the first failure.
+        failure: BaseException | None = None
+        with self.issuing_work():
+            for item in items:
+                self.store.remove(item)
+                try:
+                    if isinstance(item, PendingGather):
+                        self._complete_gather(item, reason)
+                    elif item.absorbed and item.unobserved():
+                        # Its fused consumer already produced what it needed
+                        # and nothing else can read it: computing it is waste.
+                        self.trace.event("skip ${}: nothing can read it", item.tid)
+                    else:
+                        item.issue_standalone()
+                        self.matmul_work += 1
+                except BaseException as e:  # noqa: B036 - re-raised below
+                    failure = failure or e
+        if failure is not None:
+            raise failure
+
+    def _complete_gather(self, gather: PendingGather, reason: str | Reason) -> None:
+        plan = AllGatherMatmulPlan(gather)
+        with _profiler_range(f"eagertp::{plan.name}"):
+            plan.run()
+        if self.verify:
+            for what, got, want, exact in plan.checks():
+                _check_equal(what, got, want, plan.group, exact=exact)
+        overlapped = self.matmul_work - gather.work_at_start
+        if plan.fused:
+            self.matmul_work += len(gather.consumers)
+            self.stats[plan.name] += 1
+            self.stats["fused_matmuls"] += len(gather.consumers)
+            self.trace.mark_fused(gather.record, plan.fused_with(), gather.backend)
+        elif overlapped:
+            self.stats["overlapped_all_gather"] += 1
+            why = f"no matmul consumed it before {reason}; {_matmuls(overlapped)} ran while it was in flight"
+            self.trace.mark_unfused(gather.record, why, gather.backend)
+        else:
+            self.stats["unfused_all_gather"] += 1
+            why = f"no matmul consumed it before {reason}, and none ran while it was in flight"
+            self.trace.mark_unfused(gather.record, why, gather.backend)
+        self.trace.event(f"{plan.render()} [{gather.backend}]")
+
+    # -- all-gather --------------------------------------------------------
+
+    def placeholder(self, like: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A buffer that the pending work fills before anything can read it; with
+        ``poison=True`` it starts as NaN (integers: the dtype's max) so a bug that
+        let an unfilled one escape shows up in the results."""
+        out = like.new_empty(shape, dtype=dtype or like.dtype)
+        if self.poison:
+            out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
+        return out
+
+    def start_gather(
+        self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Start the gather now and return its placeholder: ``out`` (contiguous,
+        gathered shape), the caller's output buffer, or a new one."""
+        if self.store.touched([shard]) is not None:
+            self.complete_owners([shard], "all_gather_into_tensor")
+        shard = shard.contiguous()
+        if out is None:
+            out = self.placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
+        record = self.new_record("all_gather", shard, out, group)
+        gather = PendingGather(shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work)
+        with self.issuing_work():
+            if self.verify:
+                # NB: before the backend is chosen: symm_mem's first use of a
+                # group rendezvouses, a collective that mismatched ranks would hang
+                # in. Plain eager's result is gathered here, in program order on
+                # every rank, for the comparison when the gather completes.
+                _check_ranks_agree(gather_signature(shard), group)
+                gather.reference = torch.empty_like(out)
+                all_gather_consume(ReferenceBackend(), shard, None, gather.reference, group)
+            backend, note = self.backend.for_collective(shard, group)
+            gather.backend = record.backend = backend.name if note is None else f"{backend.name}; {note}"
+            gather.handle = backend.start_all_gather(shard, out, group)
+        self.store.add_gather(gather)
+        self.trace.event(f"${gather.tid}: {record.dst} = all_gather({record.src}, {record.group})")
+        return out
+
+    # -- matmuls -----------------------------------------------------------
+
+    def run_matmul(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """A matmul run at once (not deferred): counted as work that overlaps
+        the gathers in flight."""
+        self.matmul_work += 1
+        return func(*args, **kwargs)
+
+    def defer_matmul(
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple,
+        kwargs: dict,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        scaled: Scaled | None = None,
+    ) -> torch.Tensor:
+        """Defer a matmul: as a consumer of the gather in flight it reads, or
+        standalone (a reduce-scatter may follow: Note [Deferral boundary])."""
+        if not self.store.items and a.dim() == 2 and b.dim() == 2:
+            # Too small for any reduce-scatter of it to fuse: run it now
+            # (Note [Deferral boundary]). NB: the hot path of small matmuls.
+            never_fused = self.backend.min_bytes(a.device.type, "reduce_scatter")
+            if a.shape[0] * b.shape[1] * _WIDEST_CAST < never_fused:
+                return self.run_matmul(func, args, kwargs)
+        out_dtype, rejected = _matmul_out_dtype(a, b, bias, scaled)
+        if out_dtype is None:
+            # Plain eager raises its own error, or (FP8 shapes the meta kernel's
+            # stricter rules reject) runs it: unfused, and explain() says why.
+            if self.store:
+                tensors = tensor_leaves(args, kwargs)
+                self.complete_owners(tensors, func, f"reads it with operands that do not defer ({rejected})")
+                self.complete_for(func, args, kwargs)
+            return self.run_matmul(func, args, kwargs)
+        gather, view, operand = None, None, None
+        if self.store:
+            gather, view, operand, why_not = self._match_gather_operand(a, b, bias, scaled)
+            if why_not is not None:
+                self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
+            elif gather is None:
+                self.complete_for(func, args, kwargs)
+        mm = PendingMatmul(
+            func,
+            None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,
+            None if operand is Operand.B_ROWS else b,
+            self.placeholder(a, (a.shape[0], b.shape[1]), out_dtype),
+            self.store.next_tid(),
+            bias,
+            beta=kwargs.get("beta", 1),
+            alpha=kwargs.get("alpha", 1),
+            operand=operand,
+            view=view,
+            scaled=scaled,
+            gathered_dtype=None if view is None or operand is Operand.B_ROWS else a.dtype,
+        )
+        if gather is None:
+            self.store.add_product(mm)
+        else:
+            self.store.add_consumer(gather, mm)
+        self.trace.event(*mm.trace_event())
+        return mm.out
+
+    def _match_gather_operand(
+        self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scaled: Scaled | None = None
+    ) -> tuple[PendingGather | None, GatheredView | None, Operand | None, str | None]:
+        """Which gather in flight a matmul consumes and how, or why it cannot."""
+        found_a, found_b = self.store.gathered_view_of(a), self.store.gathered_view_of(b)
+        if found_a is None and found_b is None:
+            return None, None, None, None
+        if found_a is not None and found_b is not None:
+            return None, None, None, "reads pending gathers as both operands"
+        gather, view = found_a or found_b
+        g = a if found_a is not None else b
+        if g.numel() == 0:
+            return None, None, None, "reads an empty gathered tensor: there is nothing to overlap"
+        if g.element_size() != view.tensor.element_size():
+            return None, None, None, (
+                f"reads the gathered {tensor_str(view.tensor)} as {tensor_str(g)}, another element size"
+            )
+        if found_a is not None and view.is_rows(a):
+            operand = Operand.ROWS
+        elif found_a is not None and view.is_rows(a.t()):
+            operand = Operand.ROWS_T
+        elif found_a is not None and view.is_cols(a):
+            operand = Operand.COLS
+        elif found_b is not None and view.is_rows(b):
+            operand = Operand.B_ROWS
+        else:
+            return None, None, None, (
+                f"reads the gathered tensor (gather dim {view.dim}) as {tensor_str(g)} with strides "
+                f"{g.stride()}, which does not split into per-rank blocks"
+            )
+        if scaled is not None and operand is not Operand.ROWS:
+            return None, None, None, f"is a scaled (FP8) matmul reading the gathered tensor as {operand.value}: only A rows fuse"
+        if g.dtype != view.tensor.dtype and operand is not Operand.ROWS:
+            return None, None, None, f"reads the gathered {tensor_str(view.tensor)} as {g.dtype} in a contraction"
+        others = [t for t in (a, b, bias, *([] if scaled is None else scaled.tensors())) if t is not None and t is not g]
+        if self.store.touched(others) is not None:
+            return None, None, None, "has a second pending operand"
+        return gather, view, operand, None
+
+    def defer_cast(self, gather: PendingGather, source: GatheredView, dtype: torch.dtype) -> torch.Tensor:
+        view = GatheredView(
+            self.placeholder(source.tensor, source.tensor.shape, dtype), source.dim, source.world,
+            self.store.next_tid(), cast=True,
+        )
+        self.store.add_gathered_view(gather, view)
+        self.trace.event("${}: {} = ${}.to({})", view.tid, Meta.of(view.tensor), source.tid, dtype_str(dtype))
+        return view.tensor
+
+    def defer_product_cast(self, source: Product, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Defer ``t.to(dtype)`` of a whole pending product (``t`` views its
+        output): a reduce-scatter of the cast can still produce chunk by chunk."""
+        cast = PendingCast(source, self.placeholder(source.out, source.out.shape, dtype), self.store.next_tid())
+        source.absorbed = True
+        self.store.add_product(cast)
+        self.trace.event("${}: {} = ${}.to({})", cast.tid, Meta.of(cast.out), source.tid, dtype_str(dtype))
+        return cast.out.view(t.shape)
+
+    def defer_chunk_cat(self, tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
+        """Defer ``cat(x.chunk(W, i), dim)`` of a pending ``x``, the reshuffle funcol
+        emits around collectives on dims > 0, or return None if that is not it:
+
+        - ``cat(ag.chunk(W), d)``: the all-gather seen along dim ``d`` (a new
+          gathered view, filled chunk by chunk when the gather completes);
+        - ``cat(y.chunk(W, d), 0)`` of a matmul output ``y``: the input of a
+          reduce-scatter along dim ``d``, which can then produce chunk by chunk.
+        """
+        owner = self.store.owner(tensors[0]) if tensors else None
+        if owner is None or any(self.store.owner(t) is not owner for t in tensors):
+            return None
+        world = len(tensors)
+        if isinstance(owner, PendingGather):
+            dim = dim % owner.shard.dim()
+            if world != owner.group.size() or dim == 0 or not same_views(tensors, owner.out.chunk(world)):
+                return None
+            shape = list(owner.shard.shape)
+            shape[dim] *= world
+            view = GatheredView(self.placeholder(owner.shard, shape), dim, world, self.store.next_tid())
+            self.store.add_gathered_view(owner, view)
+            self.trace.event(f"${view.tid}: {tensor_str(view.tensor)} = cat(${owner.tid}.chunk({world}), {dim})")
+            return view.tensor
+        if dim != 0:
+            return None
+        mm = owner
+        for split_dim in range(1, tensors[0].dim()):
+            shape = list(tensors[0].shape)
+            shape[split_dim] *= world
+            if math.prod(shape) != mm.out.numel() or shape[-1] != mm.out.shape[1]:
+                continue
+            if same_views(tensors, mm.out.view(shape).chunk(world, split_dim)):
+                cat_shape = (world * tensors[0].shape[0], *tensors[0].shape[1:])
+                sv = ScatterView(self.placeholder(mm.out, cat_shape), torch.Size(shape), split_dim, world)
+                self.store.add_scatter_view(mm, sv)
+                self.trace.event(f"${mm.tid}': {tensor_str(sv.tensor)} = cat(${mm.tid}.chunk({world}, {split_dim}), 0)")
+                return sv.tensor
+        return None
+
+    def defer_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Defer ``x + y`` of two whole pending products (autograd accumulating an
+        input gradient): a reduce-scatter of the sum can then produce each chunk
+        as a sum of matmul rows. None if that is not it."""
+        found_x, found_y = self.store.standalone_output(x), self.store.standalone_output(y)
+        if found_x is None or found_y is None or found_x[1] is not None or found_y[1] is not None:
+            return None
+        (px, _), (py, _) = found_x, found_y
+        if px is py or x.shape != y.shape or x.dtype != y.dtype or px.out.shape != py.out.shape:
+            return None
+        terms = [t for p in (px, py) for t in (p.terms if isinstance(p, PendingSum) else [p])]
+        px.absorbed = py.absorbed = True
+        total = PendingSum(terms, self.placeholder(px.out, px.out.shape), self.store.next_tid())
+        self.store.add_product(total)
+        self.trace.event(total.render())
+        return total.out.view(x.shape)
+
+    # -- reduce-scatter ----------------------------------------------------
+
+    def reduce_scatter(
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple,
+        kwargs: dict,
+        inp: torch.Tensor,
+        reduce_op: str,
+        group: dist.ProcessGroup,
+        out: torch.Tensor | None = None,
+    ) -> Any:
+        """Run a reduce-scatter (scatter dim 0) on a managed group now, fused with
+        the pending product that makes its input where there is one. ``out`` is
+        the caller's output buffer (raw c10d), else a new tensor is returned.
+        Gathers in flight stay in flight: they started earlier, in program order."""
+        world = group.size()
+        kind = f"reduce_scatter({reduce_op})"
+        if reduce_op not in REDUCE_OPS or inp.dim() == 0 or inp.shape[0] % world:
+            # Plain eager either runs it (an op we have no ring for) or raises.
+            why = f"reduce_op {reduce_op!r} has no point-to-point implementation"
+            signature = scatter_signature(reduce_op, f"{world} ranks from {tensor_str(inp)}")
+            return self.issue_as_is(func, args, kwargs, kind, inp, group, why, signature)
+        too_small = self.backend.size_rule(inp.device.type, "reduce_scatter", inp.nbytes // world)
+        if too_small is not None:
+            out_str = f"{dtype_str(inp.dtype)}{[inp.shape[0] // world, *inp.shape[1:]]}"  # as tensor_str(out)
+            signature = scatter_signature(reduce_op, out_str)
+            return self.issue_as_is(func, args, kwargs, kind, inp, group, too_small, signature)
+        if out is None:
+            out = self.placeholder(inp, (inp.shape[0] // world, *inp.shape[1:]))
+        record = self.new_record(kind, inp, out, group)
+        found = self.store.standalone_output(inp) if self.store else None
+        why_not = _why_not_produce(found, out) if found is not None else (
+            "its input is not the pending output of a matmul"
+        )
+        if found is not None and why_not is None:
+            product, scatter_view = found
+            self.store.remove(product)
+            plan = ReduceScatterPlan(out, reduce_op, group, record, product=product, scatter_view=scatter_view)
+            self._issue(plan, "")
+            # NB: the producer computed only what the reduce-scatter needs. The
+            # program may still read the product's own output: it stays pending,
+            # computed in full only if something reads it, skipped otherwise.
+            product.absorbed = True
+            self.store.add_product(product)
+            return out
+        if self.store.touched([inp]) is not None:
+            self.complete_owners([inp], func)
+        plan = ReduceScatterPlan(out, reduce_op, group, record, inp=inp.contiguous())
+        self._issue(plan, why_not)
+        return out
+
+    def _issue(self, plan: ReduceScatterPlan, unfused_reason: str) -> None:
+        """Run a reduce-scatter's plan on the backend now, and account for it."""
+        with self.issuing_work(), _profiler_range(f"eagertp::{plan.name}"):
+            if self.verify:
+                # NB: before the backend is chosen (see start_gather).
+                _check_ranks_agree(plan.signature(), plan.group)
+            backend, note = self.backend.for_collective(plan.buffer, plan.group)
+            plan.run(backend)
+            if self.verify:
+                for what, got, want, exact in plan.checks():
+                    _check_equal(what, got, want, plan.group, exact=exact)
+        label = backend.name if note is None else f"{backend.name}; {note}"
+        if plan.fused:
+            self.matmul_work += 1
+            self.stats[plan.name] += 1
+            self.trace.mark_fused(plan.record, plan.fused_with(), label)
+        else:
+            self.stats[f"unfused_{plan.kind}"] += 1
+            self.trace.mark_unfused(plan.record, unfused_reason, label)
+        self.trace.event(f"{plan.render()} [{label}]")
+
+    # -- collectives issued as written -------------------------------------
+
+    def issue_as_is(
+        self,
+        func,
+        args: tuple,
+        kwargs: dict,
+        kind: str,
+        src: torch.Tensor,
+        group: dist.ProcessGroup,
+        reason: str,
+        signature: str,
+    ) -> Any:
+        """Run a collective exactly as the program issued it, now (after
+        completing the pending work it reads), and record why it was not fused.
+        ``signature`` is what ``verify=True`` compares across ranks first, as
+        for a plan."""
+        if self.store.items:
+            self.complete_for(func, args, kwargs)
+        if self.verify:
+            with self.issuing_work():
+                _check_ranks_agree(signature, group)
+        result = func(*args, **kwargs)
+        dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
+        record = self.new_record(kind, src, dst, group)
+        self.stats[f"unfused_{kind.split('(')[0]}"] += 1
+        self.trace.mark_unfused(record, reason)
+        self.trace.event(f"{record.dst} = {kind}({record.src}, {record.group}) [as written]")
+        return result
+
+    def new_record(
+        self, kind: str, src: torch.Tensor, dst: torch.Tensor, group: dist.ProcessGroup
+    ) -> CollectiveRecord:
+        """The explain() record of a collective, with its tensors and group rendered."""
+        return self.trace.new_collective(kind, src=tensor_str(src), dst=tensor_str(dst), group=group_str(group))
+
+
+def _matmuls(n: int) -> str:
+    return f"{n} matmul{'s' if n != 1 else ''}"
+
+
+def _why_not_produce(found: tuple[Product, ScatterView | None], out: torch.Tensor) -> str | None:
+    """Why a reduce-scatter cannot produce its chunks from this product, if it cannot."""
+    product, scatter_view = found
+    if scatter_view is None and out.numel() % product.out.shape[1]:
+        return (
+            f"its chunks {tensor_str(out)} are not whole rows of the matmul output "
+            f"{tensor_str(product.out)}"
+        )
+    return None
+
+
+def _profiler_range(name: str) -> contextlib.AbstractContextManager:
+    """A named range in profiler traces; nothing (not even two dispatched ops)
+    when no profiler runs."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+# Ops that stay pending: their outputs share the placeholder's storage and read
+# no data. Every other view op qualifies too (see _is_metadata_only).
+_PENDING_PASSTHROUGH = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+@functools.cache  # NB: asked for every op that touches pending work
+def _is_metadata_only(func: torch._ops.OpOverload) -> bool:
+    return func in _PENDING_PASSTHROUGH or (func.is_view and not func._schema.is_mutable)
+
+
+@functools.cache
+def _is_composite(func: torch._ops.OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+def same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
+    """True if ``tensors`` are exactly the views ``expected``: the same storage,
+    offsets, shapes and strides."""
+    return len(tensors) == len(expected) and all(
+        t.shape == e.shape
+        and t.stride() == e.stride()
+        and t.storage_offset() == e.storage_offset()
+        and storage_key(t) == storage_key(e)
+        for t, e in zip(tensors, expected)
+    )
+
+
+def _matmul_out_dtype(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scaled: Scaled | None
+) -> tuple[torch.dtype | None, str]:
+    """The output dtype of the matmul, or None and why if these operands do not
+    defer (plain eager rejects them, or, for FP8, its meta kernel does)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or b.device != a.device:
+        return None, f"{tensor_str(a)} @ {tensor_str(b)}"
+    if scaled is not None:
+        # FP8 rules (dtypes, layouts, scale shapes, alignment) are many: ask the
+        # meta kernel, which applies CUDA's (stricter than CPU's).
+        try:
+            meta = torch._scaled_mm(
+                *(t.to("meta") for t in (a, b, scaled.scale_a, scaled.scale_b)),
+                bias=None if bias is None else bias.to("meta"),
+                scale_result=None if scaled.scale_result is None else scaled.scale_result.to("meta"),
+                out_dtype=scaled.out_dtype,
+                use_fast_accum=scaled.use_fast_accum,
+            )
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            return None, f"_scaled_mm's meta kernel: {str(e).splitlines()[0]}"
+        return meta.dtype, ""
+    if b.dtype != a.dtype or (bias is not None and (bias.dtype != a.dtype or bias.device != a.device)):
+        return None, "mixed dtypes or devices"
+    if bias is None:
+        return a.dtype, ""
+    out_shape = (a.shape[0], b.shape[1])
+    try:
+        if torch.broadcast_shapes(bias.shape, out_shape) == out_shape:
+            return a.dtype, ""
+    except RuntimeError:
+        pass
+    return None, f"bias {tensor_str(bias)} does not broadcast to {list(out_shape)}"
+
+
+def _check_ranks_agree(signature: str, group: dist.ProcessGroup) -> None:
+    """verify=True: every rank issues the same collective, or all raise the same
+    clear error (instead of mismatched messages, which gloo answers by aborting
+    the process and NCCL by hanging or corrupting)."""
+    signatures: list[str | None] = [None] * group.size()
+    dist.all_gather_object(signatures, signature, group=group)
+    if any(s != signature for s in signatures):
+        per_rank = "; ".join(f"rank {r}: {s}" for r, s in enumerate(signatures))
+        raise VerificationError(
+            f"eagertp verify: ranks of {group_str(group)} issue different collectives at the "
+            f"same point ({per_rank}). Every rank must issue the same collectives with the "
+            f"same shapes in the same order."
+        )
+
+
+def _check_equal(
+    what: str, got: torch.Tensor, want: torch.Tensor, group: dist.ProcessGroup, *, exact: bool
+) -> None:
+    try:
+        if exact:
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        else:
+            torch.testing.assert_close(got, want, equal_nan=True)
+    except AssertionError:
+        diff = (got.double() - want.double()).abs()
+        rel = diff / want.double().abs().clamp_min(torch.finfo(torch.float64).tiny)
+        raise VerificationError(
+            f"eagertp verify: {what} differs from plain eager on rank {group.rank()}: "
+            f"max abs diff {diff.max().item():.3g}, max rel diff {rel.max().item():.3g}. "
+            f"Run with backend='reference' to take eagertp's pipeline out of the picture, "
+            f"and report this with the shapes above."
+        ) from None

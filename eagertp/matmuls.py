@@ -1,0 +1,101 @@
+"""Matmuls and the ops around them: deferred so that a gather in flight can
+feed them chunk by chunk, or so that a reduce-scatter can produce from them
+(Note [Deferral boundary])."""
+
+from __future__ import annotations
+
+import torch
+
+from eagertp.deferred import Scaled
+from eagertp.engine import Engine, same_views
+from eagertp.table import register
+
+aten = torch.ops.aten
+
+
+@register([aten.mm.default])
+def _mm(engine: Engine, func, args, kwargs):
+    a, b = args
+    return engine.defer_matmul(func, args, kwargs, a, b)
+
+
+@register([aten.addmm.default])
+def _addmm(engine: Engine, func, args, kwargs):
+    bias, a, b = args
+    return engine.defer_matmul(func, args, kwargs, a, b, bias)
+
+
+_SCALED_MM_ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
+
+
+@register([aten._scaled_mm.default])
+def _scaled_mm(engine: Engine, func, args, kwargs):
+    """FP8 linears (float8 training): fused like mm, the scales riding along."""
+    bound = {**dict(zip(_SCALED_MM_ARGS, args)), **kwargs}
+    scaled = Scaled(
+        bound["scale_a"],
+        bound["scale_b"],
+        bound.get("scale_result"),
+        bound.get("out_dtype"),
+        bool(bound.get("use_fast_accum", False)),
+    )
+    return engine.defer_matmul(func, args, kwargs, bound["self"], bound["mat2"], bound.get("bias"), scaled)
+
+
+@register([aten.bmm.default, aten.baddbmm.default])
+def _batched(engine: Engine, func, args, kwargs):
+    """Attention's batched matmuls: never deferred, but work that overlaps the
+    gathers in flight (Note [Overlap accounting])."""
+    if engine.store.items:
+        engine.complete_for(func, args, kwargs)
+    return engine.run_matmul(func, args, kwargs)
+
+
+@register([aten.add.Tensor])
+def _add(engine: Engine, func, args, kwargs):
+    if engine.store and len(args) == 2 and kwargs.get("alpha", 1) == 1 and all(isinstance(t, torch.Tensor) for t in args):
+        deferred = engine.defer_sum(*args)
+        if deferred is not None:
+            return deferred
+    return engine.run_plain(func, args, kwargs)
+
+
+@register([aten._to_copy.default])
+def _to_copy(engine: Engine, func, args, kwargs):
+    """A dtype cast of a whole gathered tensor (autocast before a linear) becomes
+    a cast view, filled chunk by chunk: the linear on it still fuses."""
+    dtype = kwargs.get("dtype")
+    if engine.store and len(args) == 1 and set(kwargs) <= _CAST_KWARGS and dtype is not None:
+        (t,) = args
+        if _only_changes_dtype(t, kwargs):
+            found = engine.store.gathered_view_of(t)
+            if found is not None and same_views([t], [found[1].tensor]):
+                return engine.defer_cast(*found, dtype)
+            product = engine.store.standalone_output(t)  # only whole outputs
+            if product is not None and product[1] is None:
+                return engine.defer_product_cast(product[0], t, dtype)
+    return engine.run_plain(func, args, kwargs)
+
+
+# _to_copy's keywords a plain dtype cast may carry.
+_CAST_KWARGS = frozenset({"dtype", "layout", "device", "non_blocking", "memory_format"})
+
+
+def _only_changes_dtype(t: torch.Tensor, kwargs: dict) -> bool:
+    """True if ``_to_copy(t, **kwargs)`` changes nothing but the dtype."""
+    return (
+        kwargs.get("layout", torch.strided) == torch.strided
+        and torch.device(kwargs.get("device", t.device)) == t.device
+        and kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format)
+    )
+
+
+@register([aten.cat.default])
+def _cat(engine: Engine, func, args, kwargs):
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if engine.store:
+        deferred = engine.defer_chunk_cat(tensors, dim)
+        if deferred is not None:
+            return deferred
+    return engine.run_plain(func, args, kwargs)

@@ -1,0 +1,168 @@
+"""``EagerMicroPipeline``: micro-pipelined tensor parallelism at run time.
+
+The mode starts every all-gather on a group it manages where the program
+issues it and hands the program a placeholder that the transfer fills, and
+defers every matmul until the next op shows what it feeds (collectives too
+small to gain, and matmuls that could only feed those, run at once: Note [Size
+rule]). Matmuls on a gather in flight bind to it and run chunk by chunk as the
+chunks land; a matmul (or a sum of matmuls) whose output is reduce-scattered
+becomes the reduce-scatter's producer. A read of a pending tensor completes
+only what it needs; ``flush()`` and leaving the block complete everything
+(Note [Deferral boundary] in ``eagertp.deferred``)::
+
+    >>> with EagerMicroPipeline() as pipe:
+    ...     x = funcol.all_gather_single(x_shard, 0, tp_group)    # starts moving now
+    ...     q, k, v = x @ wq, x @ wk, x @ wv                      # bound to the gather
+    ...     y = attention(q, k, v)                                # ONE fused call
+    ...     out = funcol.reduce_scatter_single(y @ wo, "sum", 0, tp_group)  # fused
+    >>> print(pipe.explain())
+    all_gather #0 f32[1024, 512] -> f32[2048, 512] on group '1' (2 ranks): fused with mm -> $1, mm -> $2, mm -> $3 [ring]
+    reduce_scatter(sum) #0 f32[2048, 512] -> f32[1024, 512] on group '1' (2 ranks): fused with mm -> $5 [ring]
+
+The mode lives on the dispatch-mode stack of the thread that entered it
+(``TorchDispatchMode`` state is thread-local): ops from other threads are not
+seen. One instance is active at most once at a time; nested blocks need
+separate instances, and the inner one sees ops first.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Mapping
+
+import torch.distributed as dist
+
+from eagertp.engine import Engine, VerificationError
+from eagertp.mode import EagerTPMode
+
+__all__ = ["EagerMicroPipeline", "VerificationError"]
+
+log = logging.getLogger(__name__)
+
+
+class EagerMicroPipeline:
+    """Fuse all-gather + matmul and matmul + reduce-scatter at run time, with no
+    compile step.
+
+    Args:
+        group: manage only collectives on this process group (e.g. the TP group,
+            so FSDP's all-gathers pass through untouched). Default: every group.
+        backend: ``"auto"`` (``"symm_mem"`` for CUDA tensors where torch's
+            symmetric-memory primitives exist, else ``"ring"``), ``"ring"``
+            (micro-pipeline over point-to-point ops, any process group),
+            ``"symm_mem"`` (CUDA symmetric memory; an error where it cannot run)
+            or ``"reference"`` (plain collective then matmul).
+        verify: check every collective against plain eager: first that every
+            rank issues the same collective (shapes, dtype), naming each rank's
+            if not; then, when it completes, that its results equal plain
+            eager's, raising ``VerificationError`` naming the op, shapes and
+            difference if not. Costs extra collectives; for debugging.
+        poison: fill every placeholder with NaN when it is made (debugging: an
+            unfilled placeholder that escaped would show up as NaN).
+        min_fuse_bytes: fuse a collective only if its per-rank buffer (the
+            all-gather's shard, the reduce-scatter's output) has at least this
+            many bytes; smaller ones are not deferred but issued as the program
+            wrote them, and ``explain()`` says so. Default (``None``): per device,
+            ``eagertp.backends.MIN_FUSE_BYTES`` (on CPU, measured: 1 MiB for
+            all-gathers, 512 KiB for reduce-scatters; 0 on CUDA). ``0`` fuses
+            every size. A dict sets it per kind (``{"all_gather": ...,
+            "reduce_scatter": ...}``, as ``calibrate_min_fuse_bytes`` returns
+            it); a kind left out keeps its default.
+        max_records: bound on the trace and ``explain()`` records kept.
+
+    Attributes:
+        stats: counters. ``all_gather_matmul`` and ``matmul_reduce_scatter``
+            (fused calls), ``fused_matmuls`` (matmuls inside the fused
+            all-gathers), ``overlapped_all_gather`` (no matmul consumed it, but
+            matmuls ran while it was in flight: a prefetch kept),
+            ``unfused_all_gather`` (overlapped nothing) and
+            ``unfused_reduce_scatter``, each not fused with a reason in
+            ``explain()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup | None = None,
+        backend: str = "auto",
+        verify: bool = False,
+        poison: bool = False,
+        min_fuse_bytes: int | Mapping[str, int] | None = None,
+        max_records: int = 10_000,
+    ) -> None:
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"EagerMicroPipeline(group=...) takes a torch.distributed.ProcessGroup "
+                f"or None, got {type(group).__name__}; for a DeviceMesh pass "
+                f"mesh.get_group('tp')"
+            )
+        self._engine = Engine(
+            group=group,
+            backend=backend,
+            verify=verify,
+            poison=poison,
+            min_fuse_bytes=min_fuse_bytes,
+            max_records=max_records,
+        )
+        self._mode: EagerTPMode | None = None
+
+    # -- context manager ---------------------------------------------------
+
+    def __enter__(self) -> EagerMicroPipeline:
+        if self._mode is not None:
+            raise RuntimeError(
+                "EagerMicroPipeline is already active; nest a new instance instead "
+                "of re-entering this one"
+            )
+        self._engine.reset()
+        self._mode = self._engine.mode = EagerTPMode(self._engine)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        mode, self._mode = self._mode, None
+        assert mode is not None, "__exit__ without __enter__"
+        self._engine.mode = None  # break the engine <-> mode cycle
+        # NB: leave the mode first: what the last flush issues then dispatches
+        # straight to outer modes and kernels, not through our own pass-through.
+        mode.__exit__(None, None, None)
+        try:
+            reason = "block exited" if exc is None else f"block exited by {exc_type.__name__}"
+            self._engine.flush(reason)
+        except Exception:
+            if exc is None:
+                raise
+            # The block's own exception is the one the user must see.
+            log.exception("eagertp: flush while leaving the block after %r failed", exc)
+
+    # -- public API --------------------------------------------------------
+
+    def flush(self) -> None:
+        """Complete everything pending now (fused where a pattern matched)."""
+        self._engine.flush("flush() called")
+
+    def explain(self) -> str:
+        """One line per all-gather / reduce-scatter: what it fused with, or why
+        not; inside the block, gathers still in flight say so."""
+        return self._engine.trace.explain()
+
+    def debug_string(self) -> str:
+        """The ordered trace, with short stable tensor ids (``$0``) and shapes."""
+        return self._engine.trace.debug_string()
+
+    @property
+    def stats(self) -> collections.Counter[str]:
+        return self._engine.stats
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._engine.group
+
+    @property
+    def verify(self) -> bool:
+        return self._engine.verify
+
+    @property
+    def backend(self) -> str:
+        return self._engine.backend.name

@@ -1,0 +1,37 @@
+"""The op -> handler table: one entry per ATen op eagertp understands.
+
+The families fill it (``eagertp.collectives.*`` for the collectives,
+``eagertp.matmuls`` for the matmuls and the ops around them), each handler
+``(engine, func, args, kwargs)``; the dispatch mode (``eagertp.mode``) looks
+ops up in it. Families import this module and the engine, never the mode or
+the public class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from eagertp.engine import Engine
+
+Handler = Callable[["Engine", torch._ops.OpOverload, tuple, dict], Any]
+HANDLERS: dict[torch._ops.OpOverload, Handler] = {}
+
+
+def register(ops: Sequence[torch._ops.OpOverload]) -> Callable[[Handler], Handler]:
+    """Fill the op -> handler table; an op may have one handler only."""
+
+    def decorator(handler: Handler) -> Handler:
+        for op in ops:
+            if op in HANDLERS:
+                raise RuntimeError(
+                    f"eagertp: {op} already handled by {HANDLERS[op].__name__}; "
+                    f"cannot also register {handler.__name__}"
+                )
+            HANDLERS[op] = handler
+        return handler
+
+    return decorator
