@@ -17,6 +17,8 @@ CUDA it says so and exits 0.
 
 ``--shared-dry-run`` runs the two-process part on CPU with the ring backend
 (the plumbing of that part, where no GPU is at hand).
+``bash benchmarks/gpu_check.sh [OUTDIR]`` runs the CUDA tests and then this
+check, with logs in OUTDIR.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""benchmarks/gpu_check.py's two-process part, dry-run on CPU: the GPU check is
-a prepared script for the rare task that has a GPU, so its plumbing (spawning,
-a gloo group, comparing against plain eager, reporting) must not rot here."""
+"""benchmarks/gpu_check.py's two-process part, dry-run on CPU: the GPU check
+runs only where a CUDA device is (``bash benchmarks/gpu_check.sh``), so its
+plumbing (spawning, a gloo group, comparing against plain eager, reporting)
+must not rot where none is."""
 
 from __future__ import annotations
 
