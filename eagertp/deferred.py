@@ -41,6 +41,24 @@ Pending entries are keyed by storage identity (``StorageImpl`` address). The
 store holds the placeholders, so their storages stay alive and a key cannot be
 reused while it is pending; completing an item drops its entries.
 
+Note [Work issued while a gather is in flight]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Plain eager computes a matmul where the program issues it, so an async
+all-gather issued before it hides behind it (a prefetch). eagertp defers that
+matmul (a reduce-scatter may follow), so completing a gather first computes
+the standalone products recorded after the gather started, then waits for the
+chunks: the transfer still hides behind them::
+
+    program:  ag = AG(x)   z = a @ b   y = ag @ w   read(y)
+    plain:    [== AG ==]   [ a @ b ]   wait [ ag @ w ]
+    eagertp:  [== AG ==]   (deferred)  (bound)  [ a @ b ][ y: chunk 0 ][ chunk 1 ]
+                                                ^ read(y): z first, then the gather
+
+A product that a later reduce-scatter would have taken loses that fusion (it
+is computed whole and reduce-scattered as written); in TP code a product feeds
+its reduce-scatter at once, before anything reads a gather. Products recorded
+before the gather started, and absorbed ones, stay pending.
+
 Note [Overlap accounting]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 A gather with matmul consumers is fused. One without any still overlapped

@@ -177,7 +177,9 @@ class Engine:
         # unfilled and no transfer half-received; then raise the first failure.
         failure: BaseException | None = None
         with self.issuing_work():
-            for item in items:
+            for item in self._with_work_in_flight(items):
+                if item not in self.store.items:
+                    continue  # completed earlier in this call, as work in flight
                 self.store.remove(item)
                 try:
                     if isinstance(item, PendingGather):
@@ -193,6 +195,17 @@ class Engine:
                     failure = failure or e
         if failure is not None:
             raise failure
+
+    def _with_work_in_flight(self, items: list[Pending]) -> list[Pending]:
+        """``items``, each gather preceded by the products the program issued
+        while it was in flight (Note [Work issued while a gather is in flight])."""
+        ordered: list[Pending] = []
+        for item in items:
+            if isinstance(item, PendingGather) and item in self.store.items:
+                later = self.store.items[self.store.items.index(item) + 1 :]
+                ordered += [p for p in later if not isinstance(p, PendingGather) and not p.absorbed]
+            ordered.append(item)
+        return ordered
 
     def _complete_gather(self, gather: PendingGather, reason: str | Reason) -> None:
         plan = AllGatherMatmulPlan(gather)

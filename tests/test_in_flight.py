@@ -1,0 +1,172 @@
+"""Gathers in flight: communication starts where the program issues it.
+
+Each managed all-gather starts moving data at its program point; matmuls bind
+to it later; a read completes only what it needs (Note [Deferral boundary]).
+These tests pin the behaviours that the earlier one-pending-collective design
+did not have: prefetches keep their overlap, several gathers are in flight at
+once and complete in different orders on different ranks, one gather's read
+leaves the others to their consumers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import OpCounter, all_gather, fusion_report, integer_tensor
+from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from eagertp import EagerMicroPipeline
+
+F32 = torch.float32
+
+
+class _MatmulLog(TorchDispatchMode):
+    """Entered outside the mode: the shapes of the matmuls eagertp runs, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out):
+            self.shapes.append((*args[0].shape, args[1].shape[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def _prefetch_worker(rank, group, consumer: bool):
+    """``ag = AG(x); z = a @ b; y = ag @ w``: plain eager's async gather hides
+    behind ``a @ b``; eagertp must compute ``a @ b`` before waiting for the
+    gather (Note [Work issued while a gather is in flight])."""
+    x = integer_tensor((8, 16), F32, seed=rank)
+    a, b, w = (integer_tensor(s, F32, seed=10 + i) for i, s in enumerate([(32, 24), (24, 40), (16, 8)]))
+    gathered = torch.cat([integer_tensor((8, 16), F32, seed=r) for r in range(group.size())])
+    log, counter = _MatmulLog(), OpCounter()
+    with log, counter, EagerMicroPipeline() as pipe:
+        ag = all_gather(x, group)
+        z = a @ b
+        y = ag @ w if consumer else ag * 2
+        results = (z.clone(), y.clone())  # reads: z first, then the gather
+        in_block = pipe.explain()
+    expected = (a @ b, gathered @ w if consumer else gathered * 2)
+    return {
+        "ok": [torch.equal(g, e) for g, e in zip(results, expected)],
+        "matmuls": log.shapes,
+        "explain": pipe.explain(),
+        "in_block": in_block,
+        **fusion_report(pipe, counter),
+    }
+
+
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_prefetched_gather_overlaps_the_matmul_issued_before_its_consumer(pool, backend):
+    for r in run_on(backend, pool, _prefetch_worker, 2, True):
+        assert all(r["ok"]), r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+        assert r["plain_all_gathers"] == 0, r
+        assert_moved_by(backend, r)
+        # a @ b ([32, 24] @ [24, 40]) ran before the consumer's per-chunk matmuls ([8, 16] @ [16, 8]).
+        assert r["matmuls"][0] == (32, 24, 40) and r["matmuls"][1:] == [(8, 16, 8)] * 2, r["matmuls"]
+
+
+def test_gather_without_consumer_that_overlapped_a_matmul_is_not_counted_unfused(pool):
+    results = pool.run(_prefetch_worker, 2, False)
+    for r in results:
+        assert all(r["ok"]), r
+        assert r["stats"] == {"overlapped_all_gather": 1}, r
+        assert r["plain_all_gathers"] == 0, r
+    from expecttest import assert_expected_inline
+
+    assert_expected_inline(results[0]["explain"], """all_gather #0 f32[8, 16] -> f32[16, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.mul.Tensor read $0; 1 matmul ran while it was in flight""")
+    assert_expected_inline(results[0]["in_block"], """all_gather #0 f32[8, 16] -> f32[16, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.mul.Tensor read $0; 1 matmul ran while it was in flight""")
+
+
+def _two_in_flight_worker(rank, group, read_second_first: bool):
+    """Two gathers in flight with their consumers bound; ranks complete them in
+    opposite orders (even ranks the second first), which the messages must
+    allow (Invariant 2)."""
+    world = group.size()
+    xs = [integer_tensor((4, 8), F32, seed=100 * i + rank) for i in range(2)]
+    ws = [integer_tensor((8, 6), F32, seed=7 + i) for i in range(2)]
+    expected = [torch.cat([integer_tensor((4, 8), F32, seed=100 * i + r) for r in range(world)]) @ ws[i] for i in range(2)]
+    counter = OpCounter()
+    with counter, EagerMicroPipeline() as pipe:
+        ys = [all_gather(x, group) for x in xs]
+        in_flight = pipe.explain()
+        ys = [y @ w for y, w in zip(ys, ws)]
+        order = [1, 0] if read_second_first and rank % 2 == 0 else [0, 1]
+        got = {i: ys[i].clone() for i in order}
+    return {
+        "ok": [torch.equal(got[i], expected[i]) for i in range(2)],
+        "in_flight": in_flight,
+        "trace": pipe.debug_string(),
+        **fusion_report(pipe, counter),
+    }
+
+
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gathers_in_flight_complete_in_any_order_on_each_rank(pool, backend, world):
+    results = run_on(backend, pool, _two_in_flight_worker, world, True)
+    for r in results:
+        assert all(r["ok"]), r
+        assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 2}, r
+        assert r["plain_all_gathers"] == 0, r
+        assert_moved_by(backend, r)
+    # Even ranks waited for the second gather first, odd ranks for the first.
+    assert results[0]["trace"].index("all_gather_matmul($1") < results[0]["trace"].index("all_gather_matmul($0")
+    assert results[1]["trace"].index("all_gather_matmul($0") < results[1]["trace"].index("all_gather_matmul($1")
+    # explain() inside the block, before anything bound or read them.
+    lines = results[0]["in_flight"].splitlines()
+    assert [line.split(" f32")[0] for line in lines] == ["all_gather #0", "all_gather #1"], lines
+    assert all(line.endswith(f"({world} ranks): in flight [{backend}]") for line in lines), lines
+
+
+def _read_leaves_other_gather_worker(rank, group):
+    """The activation-checkpointing shape: a gather in flight with no consumer
+    yet (a backward gather) while another gather's consumers are read (the
+    recomputation): the first stays in flight and fuses with its later matmuls."""
+    world = group.size()
+    x1, x2 = integer_tensor((4, 8), F32, seed=rank), integer_tensor((4, 8), F32, seed=50 + rank)
+    w1, w2 = integer_tensor((8, 6), F32, seed=1), integer_tensor((8, 6), F32, seed=2)
+    g1 = torch.cat([integer_tensor((4, 8), F32, seed=r) for r in range(world)])
+    g2 = torch.cat([integer_tensor((4, 8), F32, seed=50 + r) for r in range(world)])
+    counter = OpCounter()
+    with counter, EagerMicroPipeline() as pipe:
+        ag1 = all_gather(x1, group)
+        ag2 = all_gather(x2, group)
+        r2 = (ag2 @ w2).relu()  # completes the second gather only
+        r1 = (ag1 @ w1).relu()
+    return {"ok": torch.equal(r1, (g1 @ w1).relu()) and torch.equal(r2, (g2 @ w2).relu()), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_reading_one_gather_leaves_the_other_in_flight_for_its_consumers(pool, backend):
+    for r in run_on(backend, pool, _read_leaves_other_gather_worker, 2):
+        assert r["ok"], r
+        assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 2}, r
+        assert r["plain_all_gathers"] == 0, r
+
+
+def _overwritten_shard_worker(rank, group, backend="auto"):
+    """The gather reads its shard where the program issued it: overwriting the
+    shard afterwards changes nothing (the backend copied it at the start)."""
+    x = integer_tensor((4, 8), F32, seed=rank)
+    w = integer_tensor((8, 6), F32, seed=3)
+    expected = torch.cat([integer_tensor((4, 8), F32, seed=r) for r in range(group.size())]) @ w
+    with EagerMicroPipeline(backend=backend) as pipe:
+        ag = all_gather(x, group)
+        x.add_(100)
+        y = (ag @ w).clone()
+    return {"ok": torch.equal(y, expected), "stats": dict(pipe.stats)}
+
+
+@pytest.mark.parametrize("backend", [*BOTH_BACKENDS, "reference"])
+def test_overwriting_the_shard_after_the_gather_started_changes_nothing(pool, backend):
+    if backend == "reference":
+        results = pool.run(_overwritten_shard_worker, 2, "reference")
+    else:
+        results = run_on(backend, pool, _overwritten_shard_worker, 2)
+    for r in results:
+        assert r["ok"], r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
