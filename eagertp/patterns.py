@@ -23,6 +23,21 @@ from eagertp.trace import CollectiveRecord
 aten = torch.ops.aten
 
 
+# Note [Landed gathers]
+# A gather whose chunks have all landed by the time its consumers run (other
+# work hid the whole transfer) has nothing left to overlap: its matmuls run on
+# the whole gathered tensor, one call each, as plain eager runs them, instead of
+# W smaller calls (each a little less efficient: ~3% for two [512, 1024] @
+# [1024, 2048] against one [1024, 1024] one on these CPUs). Only the host's view
+# counts, where it is cheap to ask: NCCL's and gloo's collective Work tell
+# (the ring on NCCL, the reference backend), gloo's point-to-point Work says it
+# completed only once waited for (the ring on gloo never knows), and symm_mem
+# never says so (its consumers are enqueued behind events, costing the host nothing).
+# The tests switch it off by default, so that they prove the chunked path, which
+# a transfer of test-sized tensors would otherwise almost always skip.
+WHOLE_WHEN_LANDED = True
+
+
 @dataclasses.dataclass(eq=False)
 class AllGatherMatmulPlan:
     """Fuse the pattern::
@@ -39,6 +54,7 @@ class AllGatherMatmulPlan:
     """
 
     gather: PendingGather
+    whole: bool = False  # every chunk had landed: consumers ran on whole tensors
     kind = "all_gather"
 
     @property
@@ -66,10 +82,19 @@ class AllGatherMatmulPlan:
         return [mm.describe() for mm in self.gather.consumers]
 
     def run(self) -> None:
-        """Bind the consumers to the gather in flight and complete it."""
+        """Bind the consumers to the gather in flight and complete it: chunk by
+        chunk, or, when every chunk has landed already (a prefetch that other
+        work hid), on the whole tensors at once: one matmul each, as plain eager
+        runs them, with nothing left to overlap (Note [Landed gathers])."""
         handle = self.gather.handle
         assert handle is not None, f"all_gather ${self.gather.tid} completed before it started"
-        handle.consume(self.consumer())
+        self.whole = WHOLE_WHEN_LANDED and bool(self.gather.consumers) and handle.landed()
+        if self.whole:
+            handle.consume(None)
+            g = self.gather
+            self._compute_whole(g.out, [v.tensor for v in g.views[1:]], [mm.out for mm in g.consumers])
+        else:
+            handle.consume(self.consumer())
 
     def signature(self) -> str:
         """What every rank must agree on for the messages to match."""
@@ -110,19 +135,29 @@ class AllGatherMatmulPlan:
     def render(self) -> str:
         outs = ", ".join(f"${mm.tid}" for mm in self.gather.consumers)
         arrow = f" -> {outs}" if outs else ""
-        return f"{self.name}(${self.gather.tid}{arrow})"
+        whole = ", landed: whole" if self.whole else ""
+        return f"{self.name}(${self.gather.tid}{arrow}{whole})"
 
     def reference(self, ag: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Plain eager, given its gathered tensor ``ag``: the cats, then every
         matmul on whole tensors."""
         g = self.gather
-        views = {id(v): torch.cat(ag.chunk(v.world), v.dim).to(v.tensor.dtype) for v in g.views}
-        results = []
-        for mm in g.consumers:
-            a, b = _whole_operands(mm, views[id(mm.view)])
-            results.append(torch.empty_like(mm.out))
-            mm.compute(a, b, results[-1])
-        return [views[id(v)] for v in g.views], results
+        views = [torch.empty_like(v.tensor) for v in g.views[1:]]
+        results = [torch.empty_like(mm.out) for mm in g.consumers]
+        self._compute_whole(ag, views, results)
+        return [ag, *views], results
+
+    def _compute_whole(self, ag: torch.Tensor, views: list[torch.Tensor], results: list[torch.Tensor]) -> None:
+        """Plain eager from the whole gathered tensor ``ag``: each view but the
+        first (the gather itself) into ``views``, each consumer into ``results``."""
+        g = self.gather
+        data = {id(g.views[0]): ag}
+        for v, target in zip(g.views[1:], views):
+            target.copy_(torch.cat(ag.chunk(v.world), v.dim) if v.dim else ag)  # NB: copy_ casts
+            data[id(v)] = target
+        for mm, target in zip(g.consumers, results):
+            a, b = _whole_operands(mm, data[id(mm.view)])
+            mm.compute(a, b, target)
 
 
 @dataclasses.dataclass(eq=False)
@@ -278,9 +313,9 @@ def _chunk_step(mm: PendingMatmul, whole: torch.Tensor) -> ChunkConsumer:
 
     def whole_shard_part(piece: torch.Tensor, src: int, rows: slice) -> None:
         if rows.stop == shard_rows:  # the last piece: the shard is complete
-            # NB: a shard delivered whole is the piece itself (symm_mem hands over
-            # this rank's own shard before copying it into ag_out); pieces are
-            # views of whole[src] (the ring).
+            # NB: a shard delivered whole is the piece itself (the contract lets a
+            # backend hand over a shard before ag_out holds it); pieces are views
+            # of whole[src] (the ring).
             part(piece if rows.start == 0 else whole[src], src, slice(0, shard_rows))
 
     return whole_shard_part

@@ -43,10 +43,14 @@ class WorkerDied(RuntimeError):
 
 def fuse_every_size() -> None:
     """Tests prove fusion on small shapes, which the size rule (Note [Size rule])
-    would issue as written; its own tests pass ``min_fuse_bytes`` explicitly."""
+    would issue as written; its own tests pass ``min_fuse_bytes`` explicitly.
+    And they prove the chunked pipeline, which a landed gather skips (Note
+    [Landed gathers]); its own test switches that back on."""
+    from eagertp import patterns
     from eagertp.backends import MIN_FUSE_BYTES
 
     MIN_FUSE_BYTES.update(dict.fromkeys(MIN_FUSE_BYTES, 0))
+    patterns.WHOLE_WHEN_LANDED = False
 
 
 @dataclasses.dataclass

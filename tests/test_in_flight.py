@@ -170,3 +170,47 @@ def test_overwriting_the_shard_after_the_gather_started_changes_nothing(pool, ba
     for r in results:
         assert r["ok"], r
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+
+
+def _landed_worker(rank, group):
+    """Every chunk landed before the consumers bind (the transfer hidden behind
+    other work): the matmuls run on the whole tensors, one call each (Note
+    [Landed gathers]). On the reference backend: gloo's point-to-point Work
+    says it completed only once waited for, so the ring cannot tell."""
+    import time
+
+    from eagertp import patterns
+
+    world = group.size()
+    x = integer_tensor((4, 8), F32, seed=rank)
+    w, h = integer_tensor((8, 6), F32, seed=3), integer_tensor((4 * world, 5), F32, seed=4)
+    gathered = torch.cat([integer_tensor((4, 8), F32, seed=r) for r in range(world)])
+    log = _MatmulLog()
+    patterns.WHOLE_WHEN_LANDED = True
+    try:
+        with log, EagerMicroPipeline(backend="reference") as pipe:
+            ag = all_gather(x, group)
+            handle = pipe._engine.store.items[0].handle
+            deadline = time.monotonic() + 10
+            while not handle.landed():
+                assert time.monotonic() < deadline, "the gather never landed"
+                time.sleep(0.001)
+            y, dw = ag @ w, ag.t() @ h  # forward and a weight gradient
+            got = (y.clone(), dw.clone())
+    finally:
+        patterns.WHOLE_WHEN_LANDED = False
+    return {
+        "ok": torch.equal(got[0], gathered @ w) and torch.equal(got[1], gathered.t() @ h),
+        "matmuls": log.shapes,
+        "trace": pipe.debug_string().splitlines()[-1],
+        "stats": dict(pipe.stats),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_landed_gather_runs_its_matmuls_whole(pool, world):
+    for r in pool.run(_landed_worker, world):
+        assert r["ok"], r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 2}, r
+        assert r["matmuls"] == [(4 * world, 8, 6), (8, 4 * world, 5)], r["matmuls"]
+        assert r["trace"] == "all_gather_matmul($0 -> $1, $2, landed: whole) [reference]", r["trace"]

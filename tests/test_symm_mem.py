@@ -217,7 +217,7 @@ def _other_stream_worker(rank, group, skip_own_event):
         other = torch.cuda.Stream()
         handle = backend.start_all_gather(shards[rank], torch.empty(2 * world, 8), group)
         if skip_own_event:
-            handle.landed[0] = (rank, None)
+            handle.arrivals[0] = (rank, None)
         try:
             with other:
                 handle.consume(_rows_into(y, w, 2))
@@ -290,7 +290,7 @@ def _unwaited_consumer_worker(rank, group):
     w = integer_tensor((8, 3), torch.float32, seed=9)
     with emulated_symm_mem() as streams:
         handle = SymmMemBackend().start_all_gather(shards[rank], torch.empty(2 * world, 8), group)
-        handle.landed = [(src, streams.event()) for src, _ in handle.landed]
+        handle.arrivals = [(src, streams.event()) for src, _ in handle.arrivals]
         try:
             handle.consume(_rows_into(torch.empty(2 * world, 3), w, 2))
         except AssertionError as e:

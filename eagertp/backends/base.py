@@ -59,6 +59,12 @@ class GatherHandle(Protocol):
 
     def consume(self, consumer: ChunkConsumer | None) -> None: ...
 
+    def landed(self) -> bool:
+        """True if every chunk is already in ``ag_out``: a consumer would find
+        nothing left to overlap. Never blocks; False when the backend cannot
+        tell cheaply."""
+        ...
+
 
 class Backend(Protocol):
     """The contract every backend implements (see eagertp.backends)."""

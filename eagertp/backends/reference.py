@@ -58,3 +58,6 @@ class _AsyncGather:
     def consume(self, consumer: ChunkConsumer | None) -> None:
         self._work.wait()
         consume_in_order(consumer, self._chunks)
+
+    def landed(self) -> bool:
+        return self._work.is_completed()

@@ -143,6 +143,11 @@ class _P2PGather:
             work.wait()
         self._recvs = self._rest = []
 
+    def landed(self) -> bool:
+        # NB: NCCL's Work answers from its CUDA event; gloo's point-to-point Work
+        # completes only in wait(), so on gloo this stays False until consumed.
+        return all(work.is_completed() for work in self._recvs or self._rest)
+
 
 def _add(acc: torch.Tensor, other: torch.Tensor) -> None:
     acc.add_(other)

@@ -191,24 +191,29 @@ def _workspace(group: dist.ProcessGroup, nbytes: int, stream: torch.cuda.Stream)
 
 @dataclasses.dataclass(eq=False)
 class SymmMemGather:
-    """An all-gather in flight: ``ag_out`` fills as the events of ``landed``
+    """An all-gather in flight: ``ag_out`` fills as the events of ``arrivals``
     complete (Note [Gathers in flight on the comm stream])."""
 
     chunks: torch.Tensor  # ag_out as [W, *shard.shape]: chunks[i] is rank i's shard
     # (src, the event after which chunks[src] holds rank src's shard; None:
     # nothing moves it), in delivery order: this rank's own shard first (its
     # event on the stream that started the gather), then the peers in pull order.
-    landed: list[tuple[int, torch.cuda.Event | None]]
+    arrivals: list[tuple[int, torch.cuda.Event | None]]
 
     def consume(self, consumer: ChunkConsumer | None) -> None:
         """``consumer`` on every chunk, on the current stream, each behind its event."""
         current = torch.cuda.current_stream(self.chunks.device)
         rows = slice(0, self.chunks.shape[1])
-        for src, event in self.landed:
+        for src, event in self.arrivals:
             if event is not None:
                 current.wait_event(event)
             if consumer is not None:
                 consumer(self.chunks[src], src, rows)
+
+    def landed(self) -> bool:
+        # NB: the host runs ahead of the copies on a GPU, and consumers enqueued
+        # per chunk behind their events cost the host nothing: always chunked.
+        return False
 
 
 class SymmMemBackend:
@@ -274,15 +279,15 @@ def _start_gather(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.Process
     def buffer(peer: int) -> torch.Tensor:  # rank peer's shard in its workspace
         return workspace.get_buffer(peer, shard.shape, shard.dtype)
 
-    landed: list[tuple[int, torch.cuda.Event | None]] = [(rank, own)]
+    arrivals: list[tuple[int, torch.cuda.Event | None]] = [(rank, own)]
     with comm:
         buffer(rank).copy_(chunks[rank])
         workspace.barrier(channel=_COMM_CHANNEL)  # every shard is in its owner's buffer
         for src in pull_order:
             chunks[src].copy_(buffer(src))
-            landed.append((src, _recorded_on(comm)))
+            arrivals.append((src, _recorded_on(comm)))
         workspace.barrier(channel=_COMM_CHANNEL)  # no peer pulls from this rank's buffer any more
-    return SymmMemGather(chunks, landed)
+    return SymmMemGather(chunks, arrivals)
 
 
 def _recorded_on(stream: torch.cuda.Stream) -> torch.cuda.Event:
