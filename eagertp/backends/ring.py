@@ -6,26 +6,36 @@ NCCL on GPUs.
 All-gather, started where the program issues it
 -----------------------------------------------
 ``start_all_gather`` copies this rank's shard into its chunk of ``ag_out`` and
-posts, at once, its sends to every peer and its receives from every peer
-(straight into their chunks of ``ag_out``: no staging buffer, no extra
-full-size copy). The transfers then progress in the background (gloo's and
-NCCL's own threads and streams) while the program runs on: no host step is
-needed to forward a shard, as a ring would need with more than 2 ranks. A
-shard may travel in pieces (``piece_rows``: split along dim 0; one piece by
-default). ``consume`` runs the consumer on this rank's own shard, then on each
-peer's pieces in posting order, waiting for each only if it has not landed
-yet. On 3 ranks, as seen by rank 0 (``mm[i]``: the consumer on rank i's shard;
+starts moving the shards at once, straight into their chunks of ``ag_out`` (no
+staging buffer, no extra full-size copy); ``consume`` runs the consumer on this
+rank's own shard, then on each peer's shard as it lands, in ring order
+(``rank - 1``, ``rank - 2``, ...). A shard may travel in pieces
+(``piece_rows``: split along dim 0; one piece by default), each consumed as it
+lands. How the shards move depends on the world size and the device:
+
+- 2 ranks, or NCCL: every send and receive is posted at the start (one
+  ``batch_isend_irecv``); the transfers progress on gloo's threads and NCCL's
+  streams while the program runs on. With 2 ranks that is the ring itself.
+- More than 2 ranks on gloo: a ring, whose forwarding (receive shard i, send it
+  on) runs on a helper thread started with the gather, so it progresses while
+  the program runs on too. Posting every peer at once would move the same
+  bytes, but on a shared link all shards then land together at the end,
+  leaving nothing for the consumer to overlap (measured: 15% slower than the
+  ring on 4 ranks, benchmarks/NOTES.md). The ring lands one shard per step.
+
+On 3 ranks, as seen by rank 0 (``mm[i]``: the consumer on rank i's shard;
 ``indep``: the program's own work between the gather and its first reader)::
 
-    program: AG(x) [ indep ] mm(ag) ...read
-    comm:    [ -> 1, -> 2, <- 2, <- 1 ............ ]
-    compute:       [ indep ] [ mm[0] ][ mm[2] ][ mm[1] ]
+    program: AG(x)  [ indep ]  mm(ag) ..................... read
+    comm:    [ <- 2, -> 1 ][ <- 1, -> 1 (2's shard) ]
+    compute:        [ indep ]  [ mm[0] ][ mm[2] ][ mm[1] ]
 
-Each rank sends W - 1 copies of its shard and receives W - 1 shards: the same
-bytes as a ring. The messages depend only on the shapes and the group, never
-on the consumer or on when ``consume`` is called (Invariant 2 in DESIGN.md):
-every message is posted by ``start_all_gather``, so ranks may consume gathers
-in flight in any order.
+The messages depend only on the shapes and the group, never on the consumer or
+on when ``consume`` is called (Invariant 2 in DESIGN.md): they are posted from
+the start, by this thread or the helper, so ranks may consume gathers in
+flight in any order. Each gather on gloo sends with its own tag (from a
+per-group sequence, the same on every rank since gathers start in program
+order), so a helper's forwards never match another collective's messages.
 
 Produce + reduce-scatter
 ------------------------
@@ -46,6 +56,10 @@ reduce-scatter is the same ring whose producer copies a slice of its input.
 
 from __future__ import annotations
 
+import collections
+import itertools
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -62,8 +76,12 @@ class RingBackend:
 
     name = "ring"
 
-    def start_all_gather(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> _P2PGather:
+    def start_all_gather(
+        self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup
+    ) -> _P2PGather | _ThreadedRing:
         check_gather_buffers(shard, ag_out, group)
+        if group.size() > 2 and shard.device.type == "cpu" and shard.numel():
+            return _ThreadedRing(shard, ag_out, group, _next_tag(group))
         return _P2PGather(shard, ag_out, group)
 
     def produce_reduce_scatter(
@@ -149,6 +167,84 @@ class _P2PGather:
         return all(work.is_completed() for work in self._recvs or self._rest)
 
 
+class _ThreadedRing:
+    """A ring all-gather whose forwarding runs on a helper thread (gloo, more
+    than 2 ranks): step s receives shard ``rank - s`` and sends it on to
+    ``rank + 1``, so the shards land one per step."""
+
+    def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
+        world, rank = group.size(), group.rank()
+        self._rank, self._group, self._tag = rank, group, tag
+        self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
+        chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
+        self._rows = piece_rows(shard)  # the same on every rank: shapes only
+        self._sources = [(rank - step) % world for step in range(1, world)]
+        self._send_to, self._recv_from = (rank + 1) % world, (rank - 1) % world
+        self._landed = [threading.Event() for _ in range(len(self._sources) * len(self._rows))]
+        self._failure: BaseException | None = None
+        # Step 0 from this thread: this rank's shard goes out, the first shard's pieces are posted.
+        self._sends = [self._isend(chunks[rank][r]) for r in self._rows]
+        first = [self._irecv(chunks[self._sources[0]][r]) for r in self._rows]
+        self._thread = threading.Thread(target=self._forward, args=(first,), name="eagertp-ring", daemon=True)
+        self._thread.start()
+
+    def _isend(self, t: torch.Tensor) -> dist.Work:
+        return _isend(t, self._group, self._send_to, self._tag)
+
+    def _irecv(self, t: torch.Tensor) -> dist.Work:
+        return _irecv(t, self._group, self._recv_from, self._tag)
+
+    def _forward(self, recvs: list[dist.Work]) -> None:
+        """The helper thread: wait for each piece, forward it, say it landed."""
+        landed = iter(self._landed)
+        try:
+            for step, src in enumerate(self._sources, start=1):
+                nxt = self._sources[step] if step < len(self._sources) else None
+                next_recvs = []
+                for r, recv in zip(self._rows, recvs):
+                    recv.wait()
+                    if nxt is not None:  # src's piece goes on; the next shard's piece is posted
+                        self._sends.append(self._isend(self._chunks[src][r]))
+                        next_recvs.append(self._irecv(self._chunks[nxt][r]))
+                    next(landed).set()
+                recvs = next_recvs
+        except BaseException as e:  # noqa: B036 - handed to consume(), which raises it
+            self._failure = e
+            for event in self._landed:
+                event.set()
+
+    def consume(self, consumer: ChunkConsumer | None) -> None:
+        chunks, rank = self._chunks, self._rank
+        if consumer is not None:
+            consumer(chunks[rank], rank, slice(0, chunks.shape[1]))
+        landed = iter(self._landed)
+        for src in self._sources:
+            for rows in self._rows:
+                next(landed).wait()
+                if self._failure is not None:
+                    break
+                if consumer is not None:
+                    consumer(chunks[src][rows], src, rows)
+        self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+
+    def landed(self) -> bool:
+        return all(event.is_set() for event in self._landed)
+
+
+# group name -> the tags of its next gathers on gloo: the same sequence on every
+# rank, as gathers start in program order. 0 is left to the reduce-scatter.
+_tags: dict[str, itertools.count] = collections.defaultdict(lambda: itertools.count(1))
+
+
+def _next_tag(group: dist.ProcessGroup) -> int:
+    return next(_tags[group.group_name]) % (1 << 30) or 1
+
+
 def _add(acc: torch.Tensor, other: torch.Tensor) -> None:
     acc.add_(other)
 
@@ -189,13 +285,13 @@ def piece_rows(shard: torch.Tensor, max_pieces: int | None = None, min_bytes: in
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _isend(t: torch.Tensor, group: dist.ProcessGroup, group_dst: int) -> dist.Work:
-    work = dist.isend(t, group=group, group_dst=group_dst)
+def _isend(t: torch.Tensor, group: dist.ProcessGroup, group_dst: int, tag: int = 0) -> dist.Work:
+    work = dist.isend(t, group=group, group_dst=group_dst, tag=tag)
     assert work is not None, "isend on a group this rank belongs to returns a Work"
     return work
 
 
-def _irecv(t: torch.Tensor, group: dist.ProcessGroup, group_src: int) -> dist.Work:
-    work = dist.irecv(t, group=group, group_src=group_src)
+def _irecv(t: torch.Tensor, group: dist.ProcessGroup, group_src: int, tag: int = 0) -> dist.Work:
+    work = dist.irecv(t, group=group, group_src=group_src, tag=tag)
     assert work is not None, "irecv on a group this rank belongs to returns a Work"
     return work
