@@ -21,11 +21,11 @@ included) the test asserts:
 
 Where the recomputation issues collectives while a backward all-gather is in
 flight (non-reentrant, SAC recomputing the gathers), or reads deferred
-recomputed matmuls while it is (SAC saving the collectives), eagertp before
-issue #11 forced that backward gather out unfused, one per block; these tests
-are the issue's acceptance tests for activation checkpointing. (Reentrant
-checkpointing passed before too: its recomputation finishes before the block's
-backward issues its first collective.)
+recomputed matmuls while it is (SAC saving the collectives), eagertp's earlier
+design (one pending collective, flushed by the next collective or by any read)
+forced that backward gather out unfused, one per block. (Reentrant
+checkpointing fused everything then too: its recomputation finishes before the
+block's backward issues its first collective.)
 """
 
 from __future__ import annotations
