@@ -210,7 +210,7 @@ class Engine:
     def _complete_gather(self, gather: PendingGather, reason: str | Reason) -> None:
         plan = AllGatherMatmulPlan(gather)
         with _profiler_range(f"eagertp::{plan.name}"):
-            plan.run()
+            plan.run(overlapped=self.matmul_work > gather.work_at_start)
         if self.verify:
             for what, got, want, exact in plan.checks():
                 _check_equal(what, got, want, plan.group, exact=exact)

@@ -30,9 +30,13 @@ aten = torch.ops.aten
 # W smaller calls (each a little less efficient: ~3% for two [512, 1024] @
 # [1024, 2048] against one [1024, 1024] one on these CPUs). Only the host's view
 # counts, where it is cheap to ask: NCCL's and gloo's collective Work tell
-# (the ring on NCCL, the reference backend), gloo's point-to-point Work says it
-# completed only once waited for (the ring on gloo never knows), and symm_mem
-# never says so (its consumers are enqueued behind events, costing the host nothing).
+# (the ring on NCCL, the reference backend, the ring's helper thread on gloo),
+# and symm_mem never says so (its consumers are enqueued behind events, costing
+# the host nothing). gloo's point-to-point Work says it completed only once
+# waited for, so the 2-rank ring on gloo cannot tell: there a gather that matmul
+# work overlapped (a prefetch) is taken as landed, which runs plain eager's own
+# schedule (the work, the wait, one matmul) and so is never slower than it; one
+# that nothing overlapped stays chunked.
 # The tests switch it off by default, so that they prove the chunked path, which
 # a transfer of test-sized tensors would otherwise almost always skip.
 WHOLE_WHEN_LANDED = True
@@ -81,14 +85,17 @@ class AllGatherMatmulPlan:
     def fused_with(self) -> list[str]:
         return [mm.describe() for mm in self.gather.consumers]
 
-    def run(self) -> None:
+    def run(self, *, overlapped: bool = False) -> None:
         """Bind the consumers to the gather in flight and complete it: chunk by
         chunk, or, when every chunk has landed already (a prefetch that other
         work hid), on the whole tensors at once: one matmul each, as plain eager
-        runs them, with nothing left to overlap (Note [Landed gathers])."""
+        runs them, with nothing left to overlap (Note [Landed gathers]).
+        ``overlapped``: matmul work ran while the gather was in flight."""
         handle = self.gather.handle
         assert handle is not None, f"all_gather ${self.gather.tid} completed before it started"
-        self.whole = WHOLE_WHEN_LANDED and bool(self.gather.consumers) and handle.landed()
+        if WHOLE_WHEN_LANDED and self.gather.consumers:
+            landed = handle.landed()
+            self.whole = landed if landed is not None else overlapped
         if self.whole:
             handle.consume(None)
             g = self.gather
@@ -135,7 +142,7 @@ class AllGatherMatmulPlan:
     def render(self) -> str:
         outs = ", ".join(f"${mm.tid}" for mm in self.gather.consumers)
         arrow = f" -> {outs}" if outs else ""
-        whole = ", landed: whole" if self.whole else ""
+        whole = ", landed: whole" if self.whole else ""  # NB: also a prefetch taken as landed
         return f"{self.name}(${self.gather.tid}{arrow}{whole})"
 
     def reference(self, ag: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

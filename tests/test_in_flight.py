@@ -34,10 +34,21 @@ class _MatmulLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _prefetch_worker(rank, group, consumer: bool):
+def _prefetch_worker(rank, group, consumer: bool, whole: bool = False):
     """``ag = AG(x); z = a @ b; y = ag @ w``: plain eager's async gather hides
     behind ``a @ b``; eagertp must compute ``a @ b`` before waiting for the
-    gather (Note [Work issued while a gather is in flight])."""
+    gather (Note [Work issued while a gather is in flight]). ``whole``: with
+    Note [Landed gathers] on, as outside the tests."""
+    from eagertp import patterns
+
+    patterns.WHOLE_WHEN_LANDED = whole
+    try:
+        return _prefetch(rank, group, consumer)
+    finally:
+        patterns.WHOLE_WHEN_LANDED = False
+
+
+def _prefetch(rank, group, consumer: bool):
     x = integer_tensor((8, 16), F32, seed=rank)
     a, b, w = (integer_tensor(s, F32, seed=10 + i) for i, s in enumerate([(32, 24), (24, 40), (16, 8)]))
     gathered = torch.cat([integer_tensor((8, 16), F32, seed=r) for r in range(group.size())])
@@ -50,6 +61,7 @@ def _prefetch_worker(rank, group, consumer: bool):
         in_block = pipe.explain()
     expected = (a @ b, gathered @ w if consumer else gathered * 2)
     return {
+        "trace": pipe.debug_string().splitlines()[-1],
         "ok": [torch.equal(g, e) for g, e in zip(results, expected)],
         "matmuls": log.shapes,
         "explain": pipe.explain(),
@@ -67,6 +79,17 @@ def test_prefetched_gather_overlaps_the_matmul_issued_before_its_consumer(pool, 
         assert_moved_by(backend, r)
         # a @ b ([32, 24] @ [24, 40]) ran before the consumer's per-chunk matmuls ([8, 16] @ [16, 8]).
         assert r["matmuls"][0] == (32, 24, 40) and r["matmuls"][1:] == [(8, 16, 8)] * 2, r["matmuls"]
+
+
+def test_prefetched_gather_on_gloo_runs_its_consumer_whole_after_the_matmul(pool):
+    """The 2-rank ring on gloo cannot tell whether a gather landed; one that
+    matmul work overlapped runs plain eager's schedule: the work, the wait, one
+    whole matmul (Note [Landed gathers])."""
+    for r in pool.run(_prefetch_worker, 2, True, True):
+        assert all(r["ok"]), r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+        assert r["matmuls"] == [(32, 24, 40), (16, 16, 8)], r["matmuls"]
+        assert r["trace"] == "all_gather_matmul($0 -> $2, landed: whole) [ring]", r["trace"]
 
 
 def test_gather_without_consumer_that_overlapped_a_matmul_is_not_counted_unfused(pool):

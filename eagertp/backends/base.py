@@ -59,10 +59,10 @@ class GatherHandle(Protocol):
 
     def consume(self, consumer: ChunkConsumer | None) -> None: ...
 
-    def landed(self) -> bool:
+    def landed(self) -> bool | None:
         """True if every chunk is already in ``ag_out``: a consumer would find
-        nothing left to overlap. Never blocks; False when the backend cannot
-        tell cheaply."""
+        nothing left to overlap. Never blocks; None where the backend cannot
+        tell cheaply (Note [Landed gathers] in eagertp.patterns)."""
         ...
 
 

@@ -59,5 +59,5 @@ class _AsyncGather:
         self._work.wait()
         consume_in_order(consumer, self._chunks)
 
-    def landed(self) -> bool:
+    def landed(self) -> bool | None:
         return self._work.is_completed()

@@ -161,10 +161,10 @@ class _P2PGather:
             work.wait()
         self._recvs = self._rest = []
 
-    def landed(self) -> bool:
-        # NB: NCCL's Work answers from its CUDA event; gloo's point-to-point Work
-        # completes only in wait(), so on gloo this stays False until consumed.
-        return all(work.is_completed() for work in self._recvs or self._rest)
+    def landed(self) -> bool | None:
+        if self._chunks.device.type == "cpu":
+            return None  # NB: gloo's point-to-point Work completes only in wait()
+        return all(work.is_completed() for work in self._recvs or self._rest)  # NCCL: its CUDA event
 
 
 class _ThreadedRing:
@@ -232,7 +232,7 @@ class _ThreadedRing:
             work.wait()
         self._sends = []
 
-    def landed(self) -> bool:
+    def landed(self) -> bool | None:
         return all(event.is_set() for event in self._landed)
 
 

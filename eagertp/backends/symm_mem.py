@@ -210,7 +210,7 @@ class SymmMemGather:
             if consumer is not None:
                 consumer(self.chunks[src], src, rows)
 
-    def landed(self) -> bool:
+    def landed(self) -> bool | None:
         # NB: the host runs ahead of the copies on a GPU, and consumers enqueued
         # per chunk behind their events cost the host nothing: always chunked.
         return False
