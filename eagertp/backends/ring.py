@@ -168,24 +168,32 @@ class _P2PGather:
 
 
 class _ThreadedRing:
-    """A ring all-gather whose forwarding runs on a helper thread (gloo, more
-    than 2 ranks): step s receives shard ``rank - s`` and sends it on to
-    ``rank + 1``, so the shards land one per step."""
+    """A ring all-gather for gloo with more than 2 ranks: step s receives shard
+    ``rank - s`` and sends it on to ``rank + 1``, so the shards land one per
+    step. Until ``consume`` needs a piece that has not landed, a helper thread
+    drives the ring (waits for each piece, forwards it); from there the
+    consuming thread drives it itself, as it waits anyway (Note [Who drives
+    the ring])."""
 
     def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
         world, rank = group.size(), group.rank()
         self._rank, self._group, self._tag = rank, group, tag
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
-        self._rows = piece_rows(shard)  # the same on every rank: shapes only
-        self._sources = [(rank - step) % world for step in range(1, world)]
+        rows = piece_rows(shard)  # the same on every rank: shapes only
+        sources = [(rank - step) % world for step in range(1, world)]
+        # Piece p: rows of shard sources[p // len(rows)], in the order they land.
+        self._pieces = [(src, r) for src in sources for r in rows]
+        self._per_step = len(rows)
         self._send_to, self._recv_from = (rank + 1) % world, (rank - 1) % world
-        self._landed = [threading.Event() for _ in range(len(self._sources) * len(self._rows))]
+        self._landed = [threading.Event() for _ in self._pieces]
         self._failure: BaseException | None = None
+        self._driven = 0  # pieces received (and forwarded) so far
+        self._stop = False  # set by consume() to drive the rest itself
         # Step 0 from this thread: this rank's shard goes out, the first shard's pieces are posted.
-        self._sends = [self._isend(chunks[rank][r]) for r in self._rows]
-        first = [self._irecv(chunks[self._sources[0]][r]) for r in self._rows]
-        self._thread = threading.Thread(target=self._forward, args=(first,), name="eagertp-ring", daemon=True)
+        self._sends = [self._isend(chunks[rank][r]) for r in rows]
+        self._recvs = {p: self._irecv(chunks[src][r]) for p, (src, r) in enumerate(self._pieces[: len(rows)])}
+        self._thread = threading.Thread(target=self._helper, name="eagertp-ring", daemon=True)
         self._thread.start()
 
     def _isend(self, t: torch.Tensor) -> dist.Work:
@@ -194,46 +202,60 @@ class _ThreadedRing:
     def _irecv(self, t: torch.Tensor) -> dist.Work:
         return _irecv(t, self._group, self._recv_from, self._tag)
 
-    def _forward(self, recvs: list[dist.Work]) -> None:
-        """The helper thread: wait for each piece, forward it, say it landed."""
-        landed = iter(self._landed)
+    def _drive(self, p: int) -> None:
+        """Wait for piece ``p``, forward it (posting the receive of the piece
+        one step later), and say it landed."""
+        self._recvs.pop(p).wait()
+        nxt = p + self._per_step
+        if nxt < len(self._pieces):
+            src, rows = self._pieces[p]
+            self._sends.append(self._isend(self._chunks[src][rows]))
+            next_src, next_rows = self._pieces[nxt]
+            self._recvs[nxt] = self._irecv(self._chunks[next_src][next_rows])
+        self._driven = p + 1
+        self._landed[p].set()
+
+    def _helper(self) -> None:
         try:
-            for step, src in enumerate(self._sources, start=1):
-                nxt = self._sources[step] if step < len(self._sources) else None
-                next_recvs = []
-                for r, recv in zip(self._rows, recvs):
-                    recv.wait()
-                    if nxt is not None:  # src's piece goes on; the next shard's piece is posted
-                        self._sends.append(self._isend(self._chunks[src][r]))
-                        next_recvs.append(self._irecv(self._chunks[nxt][r]))
-                    next(landed).set()
-                recvs = next_recvs
+            for p in range(len(self._pieces)):
+                if self._stop:
+                    return
+                self._drive(p)
         except BaseException as e:  # noqa: B036 - handed to consume(), which raises it
             self._failure = e
-            for event in self._landed:
-                event.set()
 
     def consume(self, consumer: ChunkConsumer | None) -> None:
         chunks, rank = self._chunks, self._rank
         if consumer is not None:
             consumer(chunks[rank], rank, slice(0, chunks.shape[1]))
-        landed = iter(self._landed)
-        for src in self._sources:
-            for rows in self._rows:
-                next(landed).wait()
-                if self._failure is not None:
-                    break
-                if consumer is not None:
-                    consumer(chunks[src][rows], src, rows)
+        for p, (src, rows) in enumerate(self._pieces):
+            if not self._landed[p].is_set() and self._thread.is_alive():
+                # Take over: the helper finishes the piece it is on, then stops.
+                self._stop = True
+                self._thread.join()
+            if self._failure is not None:
+                raise self._failure
+            if p >= self._driven:
+                self._drive(p)
+            if consumer is not None:
+                consumer(chunks[src][rows], src, rows)
         self._thread.join()
-        if self._failure is not None:
-            raise self._failure
         for work in self._sends:
             work.wait()
         self._sends = []
 
     def landed(self) -> bool | None:
         return all(event.is_set() for event in self._landed)
+
+
+# Note [Who drives the ring]
+# Between a gather's start and its consume the program runs on, so a helper
+# thread forwards each piece as it lands. Once consume() reaches a piece that
+# has not landed, the consuming thread would only wait; it stops the helper
+# (which finishes the piece it is blocked on) and forwards the rest itself, so
+# no forward waits for the helper to get a core while the consumer computes
+# (with more ranks than cores, measured: benchmarks/NOTES.md). Every piece is
+# received and forwarded exactly once, in order, by one thread or the other.
 
 
 # group name -> the tags of its next gathers on gloo: the same sequence on every
