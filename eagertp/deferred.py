@@ -85,6 +85,61 @@ ROWS writes disjoint rows, so it equals plain eager bitwise whenever the
 per-row products do. The accumulating forms add ``W`` partial products, in
 chunk arrival order: exact on integer-valued inputs, and within the tolerance
 of a chunked reduction otherwise.
+
+Note [Gathered row-wise scales]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+FP8 with row-wise scaling and sequence parallelism quantizes each rank's shard
+before the all-gather, so the program gathers two tensors, the FP8 data (as
+``uint8``) and its per-row scales, and multiplies both gathered: the shape of
+torch's ``fused_all_gather_scaled_matmul(A_shard, Bs, A_scale, ...)``, which
+gathers ``A_scale`` with ``A_shard`` (its unfused fallback: the data's gather,
+then the scale's)::
+
+    ag  = all_gather(x_fp8.view(uint8))      # G_data: [M/W, K] -> [M, K]
+    s   = all_gather(x_scale)                # G_scale: [M/W, 1] -> [M, 1] (either order)
+    y_j = _scaled_mm(ag.view(fp8), w_j, s, scale_b_j, ...)    # any number (Q, K, V)
+
+A ``_scaled_mm`` whose A rows come from gather G_data and whose ``scale_a`` is
+the whole of another gather in flight, G_scale, on the same group, with
+``scale_a``'s rows split by rank as A's are (same gather dim, same rows per
+rank), binds to G_data as a consumer with G_scale as its ``scale_gather``.
+Both gathers started at their program points with their own messages
+(Invariant 2 holds as for any two gathers). When G_data completes, its
+consumer waits, before rank ``i``'s first piece, for rank ``i``'s chunk of
+G_scale (``GatherHandle.wait_chunk``), then runs each chunk's ``_scaled_mm``
+on that chunk's data rows and scale rows (``select`` picks them); G_scale
+completes right after (its chunks have all landed). So each chunk's matmul
+runs as both of its pieces arrive, whichever gather was issued first: on one
+channel per peer (gloo's pair, symm_mem's comm stream) the later gather's
+chunk lands just behind the earlier one's, and waiting for the whole scale
+gather first would, when the scale is issued second, wait for all of the data.
+
+On symm_mem this is the same code: the two gathers' pulls are on the comm
+stream from their program points, and ``wait_chunk`` makes the current stream
+wait for the scale chunk's event before the data chunk's consumer. torch's
+multi-gather primitive (``_pipelined_multi_all_gather_and_consume``) gives the
+same per-chunk dependency, but wants both shards and the consumer in one call;
+the gathers start at two program points before any matmul shows the pairing,
+which is why eagertp enqueues gathers itself (Note [Gathers in flight on the
+comm stream]), so the primitive would add nothing.
+
+Not paired, and completed as any gather is: a scale read by something else
+before the matmul (its gather completes then; the matmul still fuses, its
+scale now whole), a scale whose rows per rank do not follow A's, or on
+another group (the matmul's reason in explain()), a scale under the size rule
+(issued as written; the matmul fuses as with any whole scale), and chains (a
+gathered scale whose gather has scale gathers of its own, or a data gather
+that is itself some matmul's scale). A flush completes a scale gather with
+its data gather, whichever came first; one that a read completes before its
+data gather is waited for whole, and its record still names the fused call it
+feeds.
+
+The reduce-scatter side needs nothing new: no recipe gathers a scale there.
+torch's ``fused_scaled_matmul_reduce_scatter`` (and Inductor's
+micro_pipeline_tp pass that emits it) takes A and its row-wise ``A_scale``
+local to the rank, and so does eagertp's producer: ``scale_a`` [M, 1] is
+selected with A's rows per chunk, ``scale_b`` [1, N] with B's columns when
+scattering the last dim (tests/test_scaled.py).
 """
 
 from __future__ import annotations
@@ -276,6 +331,9 @@ class PendingMatmul(_Standalone):
     # The dtype the matmul reads the gathered operand as: float8 training gathers
     # uint8 and views the result back (a type-erased all-gather).
     gathered_dtype: torch.dtype | None = None
+    # The gather in flight whose placeholder is the row-wise ``scale_a``
+    # (Note [Gathered row-wise scales]).
+    scale_gather: PendingGather | None = None
 
     @property
     def name(self) -> str:
@@ -299,15 +357,23 @@ class PendingMatmul(_Standalone):
         )
 
     def compute(
-        self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, select: RowSelect | None = None
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        select: RowSelect | None = None,
+        *,
+        scale_a: torch.Tensor | None = None,
     ) -> None:
         """Plain eager on ``a`` and ``b``, into ``out``. ``a`` may be some rows of
         the matmul's A, picked by ``select``, which then picks the same rows of
         everything indexed by A's rows (addmm's broadcast bias, a row-wise
-        ``scale_a``)."""
+        ``scale_a``, unless given: a gathered scale's rows read where they
+        landed, Note [Gathered row-wise scales])."""
         if self.scaled is not None:
             sc = self.scaled
-            scale_a = sc.scale_a if select is None or sc.scale_a.numel() == 1 else select(sc.scale_a)
+            if scale_a is None:
+                scale_a = sc.scale_a if select is None or sc.scale_a.numel() == 1 else select(sc.scale_a)
             torch._scaled_mm(
                 a, b, scale_a, sc.scale_b, bias=self.bias, scale_result=sc.scale_result,
                 out_dtype=sc.out_dtype, use_fast_accum=sc.use_fast_accum, out=out,
@@ -519,6 +585,9 @@ class PendingGather:
     # Matmul work the mode had seen run when the gather started: what ran while
     # it was in flight is the difference at completion (Note [Overlap accounting]).
     work_at_start: int = 0
+    # Consumers of other gathers whose row-wise scale_a this gather's placeholder
+    # is (Note [Gathered row-wise scales]).
+    scale_of: list[PendingMatmul] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.views.append(GatheredView(self.out, 0, self.group.size(), self.tid))
@@ -529,6 +598,14 @@ class PendingGather:
 
     def placeholders(self) -> list[torch.Tensor]:
         return [v.tensor for v in self.views] + [mm.out for mm in self.consumers]
+
+    def scale_gathers(self) -> list[PendingGather]:
+        """The gathers whose rows this one's consumers take as ``scale_a``."""
+        found: dict[int, PendingGather] = {}
+        for mm in self.consumers:
+            if mm.scale_gather is not None:
+                found.setdefault(id(mm.scale_gather), mm.scale_gather)
+        return list(found.values())
 
     def inputs(self) -> list[torch.Tensor]:
         # NB: not the shard: the backend copied it when the gather started, so the

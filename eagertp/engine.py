@@ -180,6 +180,8 @@ class Engine:
             for item in self._with_work_in_flight(items):
                 if item not in self.store.items:
                     continue  # completed earlier in this call, as work in flight
+                if isinstance(item, PendingGather) and self._data_gathers(item, items):
+                    continue  # completed right after them (Note [Gathered row-wise scales])
                 self.store.remove(item)
                 try:
                     if isinstance(item, PendingGather):
@@ -198,28 +200,59 @@ class Engine:
 
     def _with_work_in_flight(self, items: list[Pending]) -> list[Pending]:
         """``items``, each gather preceded by the products the program issued
-        while it was in flight (Note [Work issued while a gather is in flight])."""
+        while it (or a scale gather it completes) was in flight (Note [Work
+        issued while a gather is in flight])."""
         ordered: list[Pending] = []
+        pending = self.store.items
         for item in items:
-            if isinstance(item, PendingGather) and item in self.store.items:
-                later = self.store.items[self.store.items.index(item) + 1 :]
-                ordered += [p for p in later if not isinstance(p, PendingGather) and not p.absorbed]
+            if isinstance(item, PendingGather) and item in pending:
+                first = min(pending.index(g) for g in (item, *item.scale_gathers()) if g in pending)
+                ordered += [p for p in pending[first + 1 :] if not isinstance(p, PendingGather) and not p.absorbed]
             ordered.append(item)
         return ordered
 
+    def _complete_scales(self, scales: list[PendingGather], reason: str | Reason) -> None:
+        for scale in scales:
+            self.store.remove(scale)
+            self._complete_gather(scale, reason)
+
+    def _data_gathers(self, scale: PendingGather, items: list[Pending]) -> bool:
+        """True if ``scale`` is the row-wise scale of consumers of a gather among
+        ``items`` still pending: that gather completes it."""
+        return any(any(self.store.owner(mm.out) is item for item in items) for mm in scale.scale_of)
+
     def _complete_gather(self, gather: PendingGather, reason: str | Reason) -> None:
-        plan = AllGatherMatmulPlan(gather)
-        with _profiler_range(f"eagertp::{plan.name}"):
-            plan.run(overlapped=self.matmul_work > gather.work_at_start)
-        if self.verify:
+        # Scale gathers in flight that the consumers read row by row: waited for
+        # per chunk inside the plan, completed right after (Note [Gathered row-wise scales]).
+        plan = AllGatherMatmulPlan(gather, [g for g in gather.scale_gathers() if g in self.store.items])
+        whole = plan.lands_whole(overlapped=self.matmul_work > gather.work_at_start)
+        if whole:  # the whole matmuls read whole scales: complete them first
+            self._complete_scales(plan.scales, reason)
+            plan.scales = []
+        try:
+            with _profiler_range(f"eagertp::{plan.name}"):
+                plan.run(whole=whole)
+        except BaseException:
+            self._complete_scales(plan.scales, reason)
+            raise
+        self._account_gather(gather, plan, reason)
+        self._complete_scales(plan.scales, reason)
+        if self.verify:  # NB: after the scales: plain eager's matmuls read them whole
             for what, got, want, exact in plan.checks():
                 _check_equal(what, got, want, plan.group, exact=exact)
+
+    def _account_gather(self, gather: PendingGather, plan: AllGatherMatmulPlan, reason: str | Reason) -> None:
+        """Stats, explain() record and trace event of a completed gather."""
         overlapped = self.matmul_work - gather.work_at_start
+        if gather.scale_of:
+            self.stats["fused_scale_gathers"] += 1
         if plan.fused:
             self.matmul_work += len(gather.consumers)
             self.stats[plan.name] += 1
             self.stats["fused_matmuls"] += len(gather.consumers)
-            self.trace.mark_fused(gather.record, plan.fused_with(), gather.backend)
+            self.trace.mark_fused(gather.record, plan.fused_with(), gather.backend, scale_of=plan.scale_of())
+        elif gather.scale_of:
+            self.trace.mark_fused(gather.record, [], gather.backend, scale_of=plan.scale_of())
         elif overlapped:
             self.stats["overlapped_all_gather"] += 1
             why = f"no matmul consumed it before {reason}; {_matmuls(overlapped)} ran while it was in flight"
@@ -304,9 +337,9 @@ class Engine:
                 self.complete_owners(tensors, func, f"reads it with operands that do not defer ({rejected})")
                 self.complete_for(func, args, kwargs)
             return self.run_matmul(func, args, kwargs)
-        gather, view, operand = None, None, None
+        gather, view, operand, scale_gather = None, None, None, None
         if self.store:
-            gather, view, operand, why_not = self._match_gather_operand(a, b, bias, scaled)
+            gather, view, operand, scale_gather, why_not = self._match_gather_operand(a, b, bias, scaled)
             if why_not is not None:
                 self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
             elif gather is None:
@@ -324,29 +357,33 @@ class Engine:
             view=view,
             scaled=scaled,
             gathered_dtype=None if view is None or operand is Operand.B_ROWS else a.dtype,
+            scale_gather=scale_gather,
         )
         if gather is None:
             self.store.add_product(mm)
         else:
             self.store.add_consumer(gather, mm)
+        if scale_gather is not None:
+            scale_gather.scale_of.append(mm)
         self.trace.event(*mm.trace_event())
         return mm.out
 
     def _match_gather_operand(
         self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scaled: Scaled | None = None
-    ) -> tuple[PendingGather | None, GatheredView | None, Operand | None, str | None]:
-        """Which gather in flight a matmul consumes and how, or why it cannot."""
+    ) -> tuple[PendingGather | None, GatheredView | None, Operand | None, PendingGather | None, str | None]:
+        """Which gather in flight a matmul consumes and how, and the gather in
+        flight its row-wise ``scale_a`` comes from, if any; or why it cannot."""
         found_a, found_b = self.store.gathered_view_of(a), self.store.gathered_view_of(b)
         if found_a is None and found_b is None:
-            return None, None, None, None
+            return None, None, None, None, None
         if found_a is not None and found_b is not None:
-            return None, None, None, "reads pending gathers as both operands"
+            return None, None, None, None, "reads pending gathers as both operands"
         gather, view = found_a or found_b
         g = a if found_a is not None else b
         if g.numel() == 0:
-            return None, None, None, "reads an empty gathered tensor: there is nothing to overlap"
+            return None, None, None, None, "reads an empty gathered tensor: there is nothing to overlap"
         if g.element_size() != view.tensor.element_size():
-            return None, None, None, (
+            return None, None, None, None, (
                 f"reads the gathered {tensor_str(view.tensor)} as {tensor_str(g)}, another element size"
             )
         if found_a is not None and view.is_rows(a):
@@ -358,18 +395,65 @@ class Engine:
         elif found_b is not None and view.is_rows(b):
             operand = Operand.B_ROWS
         else:
-            return None, None, None, (
+            return None, None, None, None, (
                 f"reads the gathered tensor (gather dim {view.dim}) as {tensor_str(g)} with strides "
                 f"{g.stride()}, which does not split into per-rank blocks"
             )
         if scaled is not None and operand is not Operand.ROWS:
-            return None, None, None, f"is a scaled (FP8) matmul reading the gathered tensor as {operand.value}: only A rows fuse"
+            return None, None, None, None, (
+                f"is a scaled (FP8) matmul reading the gathered tensor as {operand.value}: only A rows fuse"
+            )
         if g.dtype != view.tensor.dtype and operand is not Operand.ROWS:
-            return None, None, None, f"reads the gathered {tensor_str(view.tensor)} as {g.dtype} in a contraction"
+            return None, None, None, None, f"reads the gathered {tensor_str(view.tensor)} as {g.dtype} in a contraction"
+        scale_gather = None
+        if scaled is not None and self.store.touched([scaled.scale_a]) is not None:
+            scale_gather, why_not = self._match_scale_gather(gather, view, a, scaled.scale_a)
+            if why_not is not None:
+                return None, None, None, None, why_not
         others = [t for t in (a, b, bias, *([] if scaled is None else scaled.tensors())) if t is not None and t is not g]
+        if scale_gather is not None:
+            others = [t for t in others if t is not scaled.scale_a]
         if self.store.touched(others) is not None:
-            return None, None, None, "has a second pending operand"
-        return gather, view, operand, None
+            return None, None, None, None, "has a second pending operand"
+        return gather, view, operand, scale_gather, None
+
+    def _match_scale_gather(
+        self, gather: PendingGather, view: GatheredView, a: torch.Tensor, scale_a: torch.Tensor
+    ) -> tuple[PendingGather | None, str | None]:
+        """The gather in flight whose whole placeholder is the row-wise
+        ``scale_a`` [M, 1] of a scaled matmul on rows ``a`` of ``view``, split by
+        rank as A's rows are; or None and why not (Note [Gathered row-wise scales])."""
+        found = self.store.gathered_view_of(scale_a)
+        if found is None or found[0] is gather:
+            return None, None  # a pending product, or A's own gather: "a second pending operand"
+        scale_gather, scale_view = found
+        what = f"reads its row-wise scale_a {tensor_str(scale_a)} from all_gather #{scale_gather.record.index}"
+        if scale_gather.group.group_name != gather.group.group_name:
+            return None, f"{what}, on another group than A's ({scale_gather.record.group})"
+        if gather.scale_of or scale_gather.scale_gathers():
+            return None, f"{what}, and one of the two gathers is already another matmul's gathered scale"
+        whole = (
+            scale_a.shape == (a.shape[0], 1)
+            and scale_a.is_contiguous()
+            and scale_a.storage_offset() == scale_view.tensor.storage_offset()
+            and scale_a.numel() == scale_view.tensor.numel()
+        )
+        if not whole:
+            return None, f"{what}, not as the whole gathered tensor seen as A's rows [{a.shape[0]}, 1]"
+        # Rank i's scale shard, flattened, must be the scales of rank i's data
+        # shard's rows, in order: the same gather dim and leading dims, one
+        # scale per row, and A's rows the gathered rows.
+        if (
+            scale_view.dim != view.dim
+            or scale_view.tensor.shape[:-1] != view.tensor.shape[:-1]
+            or scale_view.tensor.shape[-1] != 1
+            or a.shape[1] != view.tensor.shape[-1]
+        ):
+            return None, (
+                f"{what} (gathered along dim {scale_view.dim}, {tensor_str(scale_view.tensor)}), whose rows per "
+                f"rank do not follow A's (gathered along dim {view.dim}, {tensor_str(view.tensor)})"
+            )
+        return scale_gather, None
 
     def defer_cast(self, gather: PendingGather, source: GatheredView, dtype: torch.dtype) -> torch.Tensor:
         view = GatheredView(

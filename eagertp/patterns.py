@@ -9,13 +9,15 @@ as real code (``reference``), which ``verify=True`` and the tests compare agains
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
-from eagertp.backends.base import ChunkConsumer, ChunkProducer, OrderedConsumer
+from eagertp.backends.base import ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView
 from eagertp.trace import CollectiveRecord
@@ -58,6 +60,11 @@ class AllGatherMatmulPlan:
     """
 
     gather: PendingGather
+    # Scale gathers in flight whose rows the consumers read as scale_a: rank i's
+    # chunk of each is waited for before rank i's first piece and read from
+    # there; the engine completes them after the run (Note [Gathered row-wise
+    # scales]).
+    scales: list[PendingGather] = dataclasses.field(default_factory=list)
     whole: bool = False  # every chunk had landed: consumers ran on whole tensors
     kind = "all_gather"
 
@@ -85,23 +92,39 @@ class AllGatherMatmulPlan:
     def fused_with(self) -> list[str]:
         return [mm.describe() for mm in self.gather.consumers]
 
-    def run(self, *, overlapped: bool = False) -> None:
+    def scale_of(self) -> list[str]:
+        """The fused matmuls whose row-wise ``scale_a`` this gather is."""
+        return [mm.describe() for mm in self.gather.scale_of]
+
+    def lands_whole(self, *, overlapped: bool) -> bool:
+        """True if every chunk has landed already (a prefetch that other work
+        hid), so the consumers should run on the whole tensors at once: one
+        matmul each, as plain eager runs them, with nothing left to overlap
+        (Note [Landed gathers]). ``overlapped``: matmul work ran while the
+        gather was in flight."""
+        if not (WHOLE_WHEN_LANDED and self.gather.consumers):
+            return False
+        landed = self._handle().landed()
+        return landed if landed is not None else overlapped
+
+    def run(self, *, whole: bool = False) -> None:
         """Bind the consumers to the gather in flight and complete it: chunk by
-        chunk, or, when every chunk has landed already (a prefetch that other
-        work hid), on the whole tensors at once: one matmul each, as plain eager
-        runs them, with nothing left to overlap (Note [Landed gathers]).
-        ``overlapped``: matmul work ran while the gather was in flight."""
-        handle = self.gather.handle
-        assert handle is not None, f"all_gather ${self.gather.tid} completed before it started"
-        if WHOLE_WHEN_LANDED and self.gather.consumers:
-            landed = handle.landed()
-            self.whole = landed if landed is not None else overlapped
+        chunk, or on the whole tensors (``lands_whole``; then ``scales`` must
+        be empty: the whole matmuls read whole scales)."""
+        handle = self._handle()
+        assert not (whole and self.scales), "whole consumers read scales completed first"
+        self.whole = whole
         if self.whole:
             handle.consume(None)
             g = self.gather
             self._compute_whole(g.out, [v.tensor for v in g.views[1:]], [mm.out for mm in g.consumers])
         else:
             handle.consume(self.consumer())
+
+    def _handle(self) -> GatherHandle:
+        handle = self.gather.handle
+        assert handle is not None, f"all_gather ${self.gather.tid} completed before it started"
+        return handle
 
     def signature(self) -> str:
         """What every rank must agree on for the messages to match."""
@@ -127,11 +150,17 @@ class AllGatherMatmulPlan:
         # plain eager's cat would do, overlapped with the transfers).
         steps = [view.fill for view in g.views[1:]]
         whole = g.out.view(g.group.size(), *g.shard.shape)  # whole[i]: rank i's shard, once arrived
-        steps += [_chunk_step(mm, whole) for mm in g.consumers]
+        steps += [_chunk_step(mm, whole, self._scale_rows(mm)) for mm in g.consumers]
         if not steps:
             return None
 
+        scale_handles, scales_landed = [s.handle for s in self.scales], set()
+
         def consume(piece: torch.Tensor, src: int, rows: slice) -> None:
+            if scale_handles and src not in scales_landed:
+                for scale in scale_handles:  # rank src's scale rows, before its data rows' matmuls
+                    scale.wait_chunk(src)
+                scales_landed.add(src)
             for step in steps:
                 step(piece, src, rows)
 
@@ -139,11 +168,29 @@ class AllGatherMatmulPlan:
         accumulates = any(mm.operand is not Operand.ROWS for mm in g.consumers)
         return OrderedConsumer(consume) if accumulates else consume
 
+    def _scale_rows(self, mm: PendingMatmul) -> ScaleRows | None:
+        """Where ``mm``'s consumer reads its ``scale_a`` rows, if from a scale
+        gather in flight: rank src's chunk of it, as soon as that has landed
+        (a view gathered along dim > 0 is filled only when the scale gather
+        completes). Its rows follow the data shard's (``Engine._match_scale_gather``)."""
+        scale = mm.scale_gather
+        if scale is None or not any(scale is s for s in self.scales):
+            return None
+        per_rank = scale.out.view(scale.group.size(), -1)  # [W, rows of one data shard]
+        per_shard_row = math.prod(self.gather.shard.shape[1:-1])  # rows of A per row of the data shard
+
+        def scale_rows(src: int, rows: slice) -> torch.Tensor:
+            return per_rank[src, rows.start * per_shard_row : rows.stop * per_shard_row].view(-1, 1)
+
+        return scale_rows
+
     def render(self) -> str:
         outs = ", ".join(f"${mm.tid}" for mm in self.gather.consumers)
         arrow = f" -> {outs}" if outs else ""
         whole = ", landed: whole" if self.whole else ""  # NB: also a prefetch taken as landed
-        return f"{self.name}(${self.gather.tid}{arrow}{whole})"
+        scale_of = ", ".join(f"${mm.tid}" for mm in self.gather.scale_of)
+        scale = f", scale_a of {scale_of}" if scale_of else ""
+        return f"{self.name}(${self.gather.tid}{arrow}{scale}{whole})"
 
     def reference(self, ag: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Plain eager, given its gathered tensor ``ag``: the cats, then every
@@ -281,6 +328,9 @@ class ReduceScatterPlan:
 
 Plan = AllGatherMatmulPlan | ReduceScatterPlan
 
+# scale_rows(src, rows): the scale_a rows [r, 1] of rows ``rows`` of rank src's shard.
+ScaleRows = Callable[[int, slice], torch.Tensor]
+
 
 def gather_signature(shard: torch.Tensor) -> str:
     """An all-gather as ``verify=True`` compares it across ranks."""
@@ -305,13 +355,15 @@ def _b_str(mm: PendingMatmul) -> str:
     return "gathered" if mm.b is None else tensor_str(mm.b)
 
 
-def _chunk_step(mm: PendingMatmul, whole: torch.Tensor) -> ChunkConsumer:
+def _chunk_step(mm: PendingMatmul, whole: torch.Tensor, scale_rows: ScaleRows | None = None) -> ChunkConsumer:
     """The part of ``mm`` that rows ``rows`` of rank ``src``'s shard enable, as a
     consumer (Note [Matmul operands of a gather]). ``whole[src]`` is rank src's
-    shard: a consumer whose rows do not split along the pieces waits for it."""
+    shard: a consumer whose rows do not split along the pieces waits for it.
+    ``scale_rows``: where a ROWS consumer reads its ``scale_a`` rows, if not
+    from ``scale_a`` itself."""
     view = mm.view
     assert view is not None, "only gather consumers have chunk steps"
-    part = _rows_part(mm, view) if mm.operand is Operand.ROWS else _accumulate_part(mm, view)
+    part = _rows_part(mm, view, scale_rows) if mm.operand is Operand.ROWS else _accumulate_part(mm, view)
     # The [M, X] operand whose rows follow the gathered rows (COLS splits columns).
     rows_view = {Operand.ROWS: mm.out, Operand.ROWS_T: mm.b, Operand.B_ROWS: mm.a}.get(mm.operand)
     if rows_view is None or view.aligned(rows_view if mm.operand is not Operand.B_ROWS else rows_view.t()):
@@ -328,7 +380,7 @@ def _chunk_step(mm: PendingMatmul, whole: torch.Tensor) -> ChunkConsumer:
     return whole_shard_part
 
 
-def _rows_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
+def _rows_part(mm: PendingMatmul, view: GatheredView, scale_rows: ScaleRows | None = None) -> ChunkConsumer:
     """ROWS: out[R] = G[R] @ B for the rows R the piece makes (disjoint writes)."""
     n = mm.out.shape[1]
     c = mm.b.shape[0]
@@ -339,7 +391,8 @@ def _rows_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
         g = piece.view(mm.gathered_dtype or piece.dtype).reshape(-1, c)
         out = view.rows_of(mm.out, src, rows) if view.dim == 0 else None  # contiguous rows
         res = torch.empty((g.shape[0], n), dtype=mm.out.dtype, device=g.device) if out is None else out
-        mm.compute(g, mm.b, res, lambda t: view.rows_of(t, src, rows))
+        scale_a = None if scale_rows is None else scale_rows(src, rows)
+        mm.compute(g, mm.b, res, lambda t: view.rows_of(t, src, rows), scale_a=scale_a)
         if out is None:  # rows R are strided in mm.out: place them
             out_rows = mm.out.view(*lead, n).narrow(view.dim, src * view.block, view.block)[rows]
             out_rows.copy_(res.view(out_rows.shape))

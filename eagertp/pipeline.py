@@ -74,7 +74,9 @@ class EagerMicroPipeline:
     Attributes:
         stats: counters. ``all_gather_matmul`` and ``matmul_reduce_scatter``
             (fused calls), ``fused_matmuls`` (matmuls inside the fused
-            all-gathers), ``overlapped_all_gather`` (no matmul consumed it, but
+            all-gathers), ``fused_scale_gathers`` (all-gathers of row-wise FP8
+            scales that fed a fused call's ``_scaled_mm``s chunk by chunk:
+            Note [Gathered row-wise scales]), ``overlapped_all_gather`` (no matmul consumed it, but
             matmuls ran while it was in flight: a prefetch kept),
             ``unfused_all_gather`` (overlapped nothing) and
             ``unfused_reduce_scatter``, each not fused with a reason in

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 class CollectiveRecord:
     """One all-gather or reduce-scatter the mode saw, and what became of it.
 
-    ``fused_with`` names the consumers it was fused with; otherwise ``reason``
-    says why it was not fused. Exactly one of the two is set once the
+    ``fused_with`` names the consumers it was fused with (and ``scale_of`` the
+    fused matmuls a gathered FP8 scale fed); otherwise ``reason`` says why it
+    was not fused. Exactly one of the two is set once the
     collective has completed; before, it is in flight.
     """
 
@@ -48,13 +49,16 @@ class CollectiveRecord:
     backend: str | None = None
     fused_with: list[str] | None = None
     reason: str | None = None
+    # A gathered row-wise FP8 scale: the fused matmuls it is scale_a of.
+    scale_of: list[str] | None = None
 
     def render(self) -> str:
         head = f"{self.kind} #{self.index} {self.src} -> {self.dst} on {self.group}"
         if self.fused_with is not None:
-            return (
-                f"{head}: fused with {', '.join(self.fused_with)} [{self.backend}]"
-            )
+            roles = [f"fused with {', '.join(self.fused_with)}"] if self.fused_with else []
+            if self.scale_of:
+                roles.append(f"fused as scale_a of {', '.join(self.scale_of)}")
+            return f"{head}: {'; '.join(roles)} [{self.backend}]"
         if self.reason is None:
             return f"{head}: in flight" + (f" [{self.backend}]" if self.backend else "")
         via = f" [{self.backend}]" if self.backend else ""
@@ -132,9 +136,10 @@ class Trace:
         log.debug("eagertp: %s", record)
 
     def mark_fused(
-        self, record: CollectiveRecord, fused_with: list[str], backend: str
+        self, record: CollectiveRecord, fused_with: list[str], backend: str, *, scale_of: list[str] | None = None
     ) -> None:
         record.fused_with = fused_with
+        record.scale_of = scale_of or None
         record.backend = backend
         log.debug("eagertp: %s", record)
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from symm_mem_emulation import with_cpu_symm_mem
 from test_matmul_reduce_scatter import _sp_mlp_worker
 from test_scaled import _gather_scaled_worker, _scaled_reduce_scatter_worker
+from test_scaled_gathered_scale import _rowwise_worker
 from test_symm_mem import _mlp_worker
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -65,6 +66,11 @@ CASES = {
     "fp8-gather-rowwise-bf16": Case(
         _gather_scaled_worker, ("rowwise", "bf16", False), {"all_gather_matmul": 1, "fused_matmuls": 1},
         scaled_mm=("rowwise", torch.bfloat16, False),
+    ),
+    "fp8-gather-rowwise-gathered-scale-bf16": Case(
+        _rowwise_worker, (False, 2, True, "bf16", False),
+        {"all_gather_matmul": 1, "fused_matmuls": 2, "fused_scale_gathers": 1},
+        scaled_mm=("rowwise", torch.bfloat16, True),
     ),
     "fp8-scatter-tensorwise-rows": Case(
         _scaled_reduce_scatter_worker, ("tensorwise", 0), {"matmul_reduce_scatter": 1},

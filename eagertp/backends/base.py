@@ -59,6 +59,15 @@ class GatherHandle(Protocol):
 
     def consume(self, consumer: ChunkConsumer | None) -> None: ...
 
+    def wait_chunk(self, src: int) -> None:
+        """Return once rank ``src``'s chunk of ``ag_out`` holds its shard (on
+        CUDA: the current stream waits for it), so that another gather's
+        consumer may read those rows: a row-wise FP8 scale gathered alongside
+        the data (Note [Gathered row-wise scales] in eagertp.deferred). Any
+        number of calls, before ``consume``, which is still called once; a
+        failed transfer raises there, not here."""
+        ...
+
     def landed(self) -> bool | None:
         """True if every chunk is already in ``ag_out``: a consumer would find
         nothing left to overlap. Never blocks; None where the backend cannot

@@ -54,10 +54,19 @@ class _AsyncGather:
 
     def __init__(self, work: dist.Work, chunks: torch.Tensor) -> None:
         self._work, self._chunks = work, chunks
+        self._waited = False
 
     def consume(self, consumer: ChunkConsumer | None) -> None:
-        self._work.wait()
+        self._wait()
         consume_in_order(consumer, self._chunks)
+
+    def wait_chunk(self, src: int) -> None:
+        self._wait()  # one collective: every chunk at once
+
+    def _wait(self) -> None:
+        if not self._waited:
+            self._work.wait()
+            self._waited = True
 
     def landed(self) -> bool | None:
         return self._work.is_completed()

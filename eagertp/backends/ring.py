@@ -143,6 +143,25 @@ class _P2PGather:
             self._rest = [w for op, w in zip(ops, works) if op.op is dist.isend]
         else:  # NCCL coalesces a batch into one Work: the first piece waits for all
             self._recvs, self._rest = [], works
+        # NB: a gloo receive's Work may be waited for once only (a second wait
+        # waits for another message): wait_chunk and consume share these flags.
+        self._received = [False] * len(self._recvs)
+
+    def _wait_piece(self, i: int) -> None:
+        if not self._received[i]:
+            self._recvs[i].wait()  # at once if it has landed
+            self._received[i] = True
+
+    def wait_chunk(self, src: int) -> None:
+        if src == self._rank:
+            return
+        if not self._recvs:
+            for work in self._rest:
+                work.wait()
+            return
+        for i, (s, _) in enumerate(self._pieces):
+            if s == src:
+                self._wait_piece(i)
 
     def consume(self, consumer: ChunkConsumer | None) -> None:
         chunks, rank = self._chunks, self._rank
@@ -153,13 +172,13 @@ class _P2PGather:
                 work.wait()
         for i, (src, rows) in enumerate(self._pieces):
             if self._recvs:
-                self._recvs[i].wait()  # at once if it has landed
+                self._wait_piece(i)
             if consumer is not None:
                 # The consumer of one piece overlaps the transfers of the pieces after it.
                 consumer(chunks[src][rows], src, rows)
         for work in self._rest:
             work.wait()
-        self._recvs = self._rest = []
+        self._recvs, self._rest, self._received = [], [], []
 
     def landed(self) -> bool | None:
         if self._chunks.device.type == "cpu":
@@ -223,6 +242,13 @@ class _ThreadedRing:
                 self._drive(p)
         except BaseException as e:  # noqa: B036 - handed to consume(), which raises it
             self._failure = e
+
+    def wait_chunk(self, src: int) -> None:
+        if src == self._rank:
+            return
+        first = self._sources.index(src) * len(self._rows)
+        for event in self._landed[first : first + len(self._rows)]:
+            event.wait()  # set on failure too: consume raises it
 
     def consume(self, consumer: ChunkConsumer | None) -> None:
         chunks, rank = self._chunks, self._rank

@@ -210,6 +210,13 @@ class SymmMemGather:
             if consumer is not None:
                 consumer(self.chunks[src], src, rows)
 
+    def wait_chunk(self, src: int) -> None:
+        """The current stream waits for ``chunks[src]``'s event."""
+        current = torch.cuda.current_stream(self.chunks.device)
+        for s, event in self.arrivals:
+            if s == src and event is not None:
+                current.wait_event(event)
+
     def landed(self) -> bool | None:
         # NB: the host runs ahead of the copies on a GPU, and consumers enqueued
         # per chunk behind their events cost the host nothing: always chunked.
