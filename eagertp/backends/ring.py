@@ -244,25 +244,28 @@ class _ThreadedRing:
             self._failure = e
 
     def wait_chunk(self, src: int) -> None:
-        if src == self._rank:
-            return
-        first = self._sources.index(src) * len(self._rows)
-        for event in self._landed[first : first + len(self._rows)]:
-            event.wait()  # set on failure too: consume raises it
+        for p, (s, _) in enumerate(self._pieces):
+            if s == src:
+                self._land(p)
+
+    def _land(self, p: int) -> None:
+        """Return once piece ``p`` has landed, driving the ring from here if
+        the helper has not got there yet (Note [Who drives the ring])."""
+        if not self._landed[p].is_set() and self._thread.is_alive():
+            # Take over: the helper finishes the piece it is on, then stops.
+            self._stop = True
+            self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+        while self._driven <= p:
+            self._drive(self._driven)
 
     def consume(self, consumer: ChunkConsumer | None) -> None:
         chunks, rank = self._chunks, self._rank
         if consumer is not None:
             consumer(chunks[rank], rank, slice(0, chunks.shape[1]))
         for p, (src, rows) in enumerate(self._pieces):
-            if not self._landed[p].is_set() and self._thread.is_alive():
-                # Take over: the helper finishes the piece it is on, then stops.
-                self._stop = True
-                self._thread.join()
-            if self._failure is not None:
-                raise self._failure
-            if p >= self._driven:
-                self._drive(p)
+            self._land(p)
             if consumer is not None:
                 consumer(chunks[src][rows], src, rows)
         self._thread.join()
