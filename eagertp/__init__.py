@@ -14,7 +14,8 @@ chunk overlaps the transfer of the next chunk. No compile step::
 """
 
 from eagertp.backends import BACKENDS, Backend
+from eagertp.backends.base import PeerError
 from eagertp.pipeline import EagerMicroPipeline, VerificationError
 
-__all__ = ["BACKENDS", "Backend", "EagerMicroPipeline", "VerificationError"]
+__all__ = ["BACKENDS", "Backend", "EagerMicroPipeline", "PeerError", "VerificationError"]
 __version__ = "0.1.0"

@@ -23,14 +23,30 @@ The mode lives on the dispatch-mode stack of the thread that entered it
 (``TorchDispatchMode`` state is thread-local): ops from other threads are not
 seen. One instance is active at most once at a time; nested blocks need
 separate instances, and the inner one sees ops first.
+
+Note [Compiled code inside the block]
+-------------------------------------
+Dynamo refuses to compile a frame while a (non-infra) dispatch mode is active,
+and that refusal sticks to the code object: a ``torch.compile``'d function
+first called inside the block would run uncompiled ever after, until
+``torch._dynamo.reset()``. So the block sets the compiler's stance to
+``"force_eager"`` (``torch.compiler.set_stance``) while it is active: compiled
+functions and modules called inside run eagerly, their ops seen and fused like
+any others, and Dynamo never looks at them; after the block the previous stance
+is back and they run compiled (from their cache, or compiled on that first call
+outside). The stance is process-wide, not per-thread: while a block is active,
+compiled code on other threads runs eagerly too; blocks entered on several
+threads at once restore stances in their own order.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from collections.abc import Mapping
 
+import torch
 import torch.distributed as dist
 
 from eagertp.engine import Engine, VerificationError
@@ -108,6 +124,7 @@ class EagerMicroPipeline:
             max_records=max_records,
         )
         self._mode: EagerTPMode | None = None
+        self._stance: contextlib.AbstractContextManager | None = None
 
     # -- context manager ---------------------------------------------------
 
@@ -118,17 +135,30 @@ class EagerMicroPipeline:
                 "of re-entering this one"
             )
         self._engine.reset()
-        self._mode = self._engine.mode = EagerTPMode(self._engine)
-        self._mode.__enter__()
+        # Note [Compiled code inside the block]: applied at construction; its
+        # __exit__ puts back the stance it replaced.
+        stance = torch.compiler.set_stance("force_eager")
+        try:
+            mode = EagerTPMode(self._engine)
+            mode.__enter__()
+        except BaseException:
+            stance.__exit__(None, None, None)
+            raise
+        self._stance, self._mode = stance, mode
+        self._engine.mode = mode
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         mode, self._mode = self._mode, None
-        assert mode is not None, "__exit__ without __enter__"
+        stance, self._stance = self._stance, None
+        assert mode is not None and stance is not None, "__exit__ without __enter__"
         self._engine.mode = None  # break the engine <-> mode cycle
-        # NB: leave the mode first: what the last flush issues then dispatches
-        # straight to outer modes and kernels, not through our own pass-through.
-        mode.__exit__(None, None, None)
+        try:
+            # NB: leave the mode first: what the last flush issues then dispatches
+            # straight to outer modes and kernels, not through our own pass-through.
+            mode.__exit__(None, None, None)
+        finally:
+            stance.__exit__(None, None, None)
         try:
             reason = "block exited" if exc is None else f"block exited by {exc_type.__name__}"
             self._engine.flush(reason)

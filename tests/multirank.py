@@ -27,10 +27,13 @@ from typing import Any
 
 WORLD = 4
 COLLECTIVE_TIMEOUT = timedelta(seconds=20)
+SHORT_TIMEOUT = timedelta(seconds=5)  # SHORT_GROUPS: tests that wait for a peer that never comes
 TEST_TIMEOUT = 60.0  # seconds, per run()
 
 # Inside a worker: world size -> a second gloo group over ranks 0 .. n - 1.
 OTHER_GROUPS: dict[int, Any] = {}
+# Inside a worker: world size -> a gloo group over ranks 0 .. n - 1 with SHORT_TIMEOUT.
+SHORT_GROUPS: dict[int, Any] = {}
 
 
 class RankError(AssertionError):
@@ -86,6 +89,7 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection) -
     # A second group over the same ranks, for tests that need a group the mode
     # does not manage (new_group needs every rank, so it is made here, once).
     OTHER_GROUPS.update({n: dist.new_group(list(range(n)), timeout=COLLECTIVE_TIMEOUT) for n in (2, 4)})
+    SHORT_GROUPS.update({n: dist.new_group(list(range(n)), timeout=SHORT_TIMEOUT) for n in (2, 3)})
     conn.send("ready")
     while True:
         job = conn.recv()
@@ -150,8 +154,19 @@ class WorkerPool:
         self._procs, self._conns = [], []
         self._start()
 
-    def run(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = TEST_TIMEOUT) -> list[Any]:
-        """``fn(rank, group, *args)`` on ``world_size`` ranks; their results in rank order."""
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *args: Any,
+        timeout: float = TEST_TIMEOUT,
+        dying_ranks: frozenset[int] = frozenset(),
+    ) -> list[Any]:
+        """``fn(rank, group, *args)`` on ``world_size`` ranks; their results in rank order.
+
+        ``dying_ranks``: ranks whose process is meant to exit mid-job; their
+        result is None, and the pool restarts afterwards (the survivors' groups
+        are broken)."""
         assert 1 <= world_size <= WORLD, f"world_size {world_size} not in 1..{WORLD}"
         job = _Job(fn, world_size, args)
         deadline = time.monotonic() + timeout
@@ -166,10 +181,17 @@ class WorkerPool:
                         f"{fn.__name__} on {world_size} ranks: rank {rank} did not finish "
                         f"within {timeout} s (hang); worker pool restarted"
                     )
-                replies[rank] = conn.recv()
+                try:
+                    replies[rank] = conn.recv()
+                except EOFError:
+                    if rank not in dying_ranks:
+                        raise
+                    replies[rank] = ("ok", None)
         except (EOFError, OSError) as e:  # a worker process died (e.g. gloo aborted it)
             self.restart()
             raise WorkerDied(f"{fn.__name__} on {world_size} ranks: a worker process died ({e!r}); pool restarted") from e
+        if dying_ranks:
+            self.restart()
         errors = [f"--- rank {r} ---\n{rep[1]}" for r, rep in enumerate(replies) if rep[0] == "error"]
         if errors:
             self.restart()

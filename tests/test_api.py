@@ -12,7 +12,7 @@ from eagertp import EagerMicroPipeline
 
 
 def test_public_names():
-    assert eagertp.__all__ == ["BACKENDS", "Backend", "EagerMicroPipeline", "VerificationError"]
+    assert eagertp.__all__ == ["BACKENDS", "Backend", "EagerMicroPipeline", "PeerError", "VerificationError"]
     assert sorted(eagertp.BACKENDS) == ["reference", "ring", "symm_mem"]
 
 

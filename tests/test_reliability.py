@@ -245,3 +245,79 @@ def test_thousands_of_steps_leave_no_growth_and_no_unfilled_placeholder(pool):
         assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
         assert r["after"] == r["before"], f"live (objects, tensors) grew: {r['before']} -> {r['after']}"
         assert r["freed"], "the pipeline is kept alive by a reference cycle"
+
+
+# -- a dead or stuck peer ------------------------------------------------------------------
+
+
+def _lost_peer_worker(rank, group, kind, fate):
+    """The last rank of a group with SHORT_TIMEOUT issues nothing (``"returns"``:
+    alive, but on to other work; ``"dies"``: its process exits); the others
+    issue one collective and must raise a PeerError within the group's timeout."""
+    import os
+    import time
+
+    from helpers import reduce_scatter
+    from multirank import SHORT_GROUPS
+
+    from eagertp import PeerError
+
+    short = SHORT_GROUPS[group.size()]
+    if rank == group.size() - 1:
+        if fate == "dies":
+            os._exit(0)
+        return None
+    x = integer_tensor((2, 4), torch.float32, seed=rank)
+    w = integer_tensor((4, 3), torch.float32, seed=5)
+    start = time.monotonic()
+    try:
+        with EagerMicroPipeline():
+            if kind == "all_gather_read":  # read inside the block
+                (all_gather(x, short) @ w).sum()
+            elif kind == "all_gather_at_exit":  # pending until the block's exit flushes it
+                all_gather(x, short) @ w
+            else:
+                reduce_scatter(torch.ones(2 * group.size(), 3) @ w.t(), short)
+    except PeerError as e:
+        return {"error": str(e), "elapsed": time.monotonic() - start, "group": short.group_name}
+    return {"error": None, "elapsed": time.monotonic() - start}
+
+
+@pytest.mark.parametrize(
+    "kind, world, fate",
+    [
+        ("all_gather_at_exit", 2, "returns"),
+        ("all_gather_read", 2, "dies"),
+        ("all_gather_read", 3, "returns"),  # the helper-thread ring (gloo, > 2 ranks)
+        ("reduce_scatter", 2, "returns"),
+    ],
+)
+def test_a_lost_peer_raises_naming_it_within_the_group_timeout(pool, kind, world, fate):
+    """Plain gloo raises too, but names neither the collective nor the peer;
+    a pending gather fails at the block's exit the same way (no hang there)."""
+    from multirank import SHORT_TIMEOUT
+
+    try:
+        results = pool.run(
+            _lost_peer_worker, world, kind, fate, timeout=60, dying_ranks=frozenset({world - 1} if fate == "dies" else ())
+        )
+    finally:
+        if fate != "dies":
+            pool.restart()  # NB: a timed-out receive may still be posted in gloo
+    assert results[-1] is None
+    what = "reduce_scatter(sum) -> f32[2, 4]" if kind == "reduce_scatter" else "all_gather of f32[2, 4]"
+    for rank, r in enumerate(results[:-1]):
+        assert r["error"] is not None, f"rank {rank} did not raise"
+        # the last rank's neighbour waits for it; in the 3-rank ring rank 1 waits for
+        # rank 0, which forwards what it never got
+        peer = world - 1 if rank == 0 else rank - 1
+        assert r["error"].startswith(
+            f"eagertp: {what} on group {r['group']!r} ({world} ranks): rank {rank} waited for rank {peer} "
+            f"(global rank {peer}) and the transfer failed: "
+        ), r["error"]
+        assert "A peer died or stopped issuing collectives" in r["error"], r["error"]
+        assert r["elapsed"] < SHORT_TIMEOUT.total_seconds() + 5, r
+        if fate == "returns" and rank == 0:  # it waited on the silent rank itself
+            assert "Timed out" in r["error"] and r["elapsed"] > SHORT_TIMEOUT.total_seconds() - 1, r
+        # NB: gloo closes a pair whose receive timed out, so in the 3-rank ring rank 1
+        # then fails with "Connection closed by peer" naming rank 0, at once.

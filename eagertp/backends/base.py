@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from eagertp._format import group_str
 
 # consumer(piece, src_rank, rows): piece is rows `rows` (a slice along dim 0) of
 # rank src_rank's shard. A backend delivers each shard whole or in pieces; the
@@ -140,3 +143,55 @@ REDUCE_OPS = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 }
+
+
+# Note [Waiting on a peer]
+# ------------------------
+# Every wait of the ring is on one peer's point-to-point transfer. On gloo,
+# ``Work.wait()`` of an ``isend``/``irecv`` is bounded by the process group's
+# timeout (``new_group(timeout=...)``; measured on torch 2.13: a peer that
+# never issues its side raises "Timed out waiting ...ms for recv operation"
+# after that long, and a peer that died raises "Connection closed by peer" at
+# once), so eagertp passes no timeout of its own. On NCCL, ``wait()`` only
+# orders the current stream; the group's watchdog bounds the transfer. What
+# eagertp adds is the error: gloo's names neither the collective nor the peer,
+# so every post and wait goes through ``peer_transfer``, which re-raises as a
+# ``PeerError`` naming the collective, the group, the peer and the fix.
+
+
+class PeerError(RuntimeError):
+    """A transfer eagertp waited on failed or timed out: a peer died, or stopped
+    issuing the collectives this rank issued."""
+
+
+@contextlib.contextmanager
+def peer_transfer(what: str, group: dist.ProcessGroup, peer: int) -> Iterator[None]:
+    """Posting or waiting for a transfer with ``peer`` (its rank in ``group``): a
+    failure (gloo: the group's timeout, or a closed connection) re-raised as a
+    ``PeerError`` naming ``what`` (the collective and its shapes), the group and
+    the peer."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, PeerError):
+            raise
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PeerError(
+            f"eagertp: {what} on {group_str(group)}: rank {group.rank()} waited for rank {peer} "
+            f"({_global_rank(group, peer)}) and the transfer failed: {cause}. A peer died or "
+            f"stopped issuing collectives: every rank must issue the same collectives in the "
+            f"same order; see rank {peer}'s own error first."
+        ) from e
+
+
+def wait_for_peer(work: dist.Work, what: str, group: dist.ProcessGroup, peer: int) -> None:
+    """``work.wait()`` under ``peer_transfer``: Note [Waiting on a peer]."""
+    with peer_transfer(what, group, peer):
+        work.wait()
+
+
+def _global_rank(group: dist.ProcessGroup, peer: int) -> str:
+    try:
+        return f"global rank {dist.get_global_rank(group, peer)}"
+    except (ValueError, RuntimeError):  # a group torch.distributed does not know
+        return "global rank unknown"

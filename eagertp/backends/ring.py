@@ -63,11 +63,14 @@ import threading
 import torch
 import torch.distributed as dist
 
+from eagertp._format import tensor_str
 from eagertp.backends.base import (
     ChunkConsumer,
     ChunkProducer,
     check_gather_buffers,
     check_scatter_buffers,
+    peer_transfer,
+    wait_for_peer,
 )
 
 
@@ -98,23 +101,27 @@ class RingBackend:
             producer(rank, out)
         else:
             send_to, recv_from = (rank + 1) % world, (rank - 1) % world
+            what = f"reduce_scatter({reduce_op}) -> {tensor_str(out)}"
             send_buf, recv_buf = torch.empty_like(out), torch.empty_like(out)
             spare = torch.empty_like(out) if world > 2 else None
             producer((rank - 1) % world, send_buf)
-            send = _isend(send_buf, group, send_to)
+            with peer_transfer(what, group, send_to):
+                send = _isend(send_buf, group, send_to)
             for step in range(1, world):
                 last = step == world - 1
-                recv = _irecv(recv_buf, group, recv_from)
+                with peer_transfer(what, group, recv_from):
+                    recv = _irecv(recv_buf, group, recv_from)
                 acc = out if last else spare
                 # This rank's share of chunk c overlaps the transfer of the partial sum of c.
                 producer((rank - step - 1) % world, acc)
-                recv.wait()
+                wait_for_peer(recv, what, group, recv_from)  # Note [Waiting on a peer]
                 combine(acc, recv_buf)
                 if not last:
-                    send.wait()  # send_buf is free again
+                    wait_for_peer(send, what, group, send_to)  # send_buf is free again
                     send_buf, spare = acc, send_buf
-                    send = _isend(send_buf, group, send_to)
-            send.wait()
+                    with peer_transfer(what, group, send_to):
+                        send = _isend(send_buf, group, send_to)
+            wait_for_peer(send, what, group, send_to)
         if reduce_op == "avg":
             out.div_(world)
 
@@ -124,7 +131,8 @@ class _P2PGather:
 
     def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:
         world, rank = group.size(), group.rank()
-        self._rank = rank
+        self._rank, self._group = rank, group
+        self._what = f"all_gather of {tensor_str(shard)}"
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
         rows = piece_rows(shard)  # the same on every rank: shapes only
@@ -137,27 +145,28 @@ class _P2PGather:
             dst = (rank + step) % world
             ops += [dist.P2POp(dist.isend, chunks[rank][r], group=group, group_peer=dst) for r in rows]
             ops += [dist.P2POp(dist.irecv, chunks[src][r], group=group, group_peer=src) for r in rows]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        with peer_transfer(self._what, group, sources[0] if sources else rank):  # 2 ranks: the one peer
+            works = dist.batch_isend_irecv(ops) if ops else []
+        # (work, the peer it waits for): Note [Waiting on a peer]
         if len(works) == len(ops):  # gloo: one Work per op
-            self._recvs = [w for op, w in zip(ops, works) if op.op is dist.irecv]
-            self._rest = [w for op, w in zip(ops, works) if op.op is dist.isend]
+            self._recvs = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.irecv]
+            self._rest = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.isend]
         else:  # NCCL coalesces a batch into one Work: the first piece waits for all
-            self._recvs, self._rest = [], works
+            self._recvs, self._rest = [], [(w, sources[0]) for w in works]
         # NB: a gloo receive's Work may be waited for once only (a second wait
         # waits for another message): wait_chunk and consume share these flags.
         self._received = [False] * len(self._recvs)
 
     def _wait_piece(self, i: int) -> None:
         if not self._received[i]:
-            self._recvs[i].wait()  # at once if it has landed
+            self._wait(self._recvs[i : i + 1])  # at once if it has landed
             self._received[i] = True
 
     def wait_chunk(self, src: int) -> None:
         if src == self._rank:
             return
         if not self._recvs:
-            for work in self._rest:
-                work.wait()
+            self._wait(self._rest)
             return
         for i, (s, _) in enumerate(self._pieces):
             if s == src:
@@ -168,17 +177,19 @@ class _P2PGather:
         if consumer is not None:
             consumer(chunks[rank], rank, slice(0, chunks.shape[1]))
         if not self._recvs:
-            for work in self._rest:
-                work.wait()
+            self._wait(self._rest)
         for i, (src, rows) in enumerate(self._pieces):
             if self._recvs:
                 self._wait_piece(i)
             if consumer is not None:
                 # The consumer of one piece overlaps the transfers of the pieces after it.
                 consumer(chunks[src][rows], src, rows)
-        for work in self._rest:
-            work.wait()
+        self._wait(self._rest)
         self._recvs, self._rest, self._received = [], [], []
+
+    def _wait(self, works: list[tuple[dist.Work, int]]) -> None:
+        for work, peer in works:
+            wait_for_peer(work, self._what, self._group, peer)
 
     def landed(self) -> bool | None:
         if self._chunks.device.type == "cpu":
@@ -197,6 +208,7 @@ class _ThreadedRing:
     def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
         world, rank = group.size(), group.rank()
         self._rank, self._group, self._tag = rank, group, tag
+        self._what = f"all_gather of {tensor_str(shard)}"
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
         rows = piece_rows(shard)  # the same on every rank: shapes only
@@ -216,15 +228,17 @@ class _ThreadedRing:
         self._thread.start()
 
     def _isend(self, t: torch.Tensor) -> dist.Work:
-        return _isend(t, self._group, self._send_to, self._tag)
+        with peer_transfer(self._what, self._group, self._send_to):
+            return _isend(t, self._group, self._send_to, self._tag)
 
     def _irecv(self, t: torch.Tensor) -> dist.Work:
-        return _irecv(t, self._group, self._recv_from, self._tag)
+        with peer_transfer(self._what, self._group, self._recv_from):
+            return _irecv(t, self._group, self._recv_from, self._tag)
 
     def _drive(self, p: int) -> None:
         """Wait for piece ``p``, forward it (posting the receive of the piece
         one step later), and say it landed."""
-        self._recvs.pop(p).wait()
+        wait_for_peer(self._recvs.pop(p), self._what, self._group, self._recv_from)  # Note [Waiting on a peer]
         nxt = p + self._per_step
         if nxt < len(self._pieces):
             src, rows = self._pieces[p]
@@ -270,7 +284,7 @@ class _ThreadedRing:
                 consumer(chunks[src][rows], src, rows)
         self._thread.join()
         for work in self._sends:
-            work.wait()
+            wait_for_peer(work, self._what, self._group, self._send_to)
         self._sends = []
 
     def landed(self) -> bool | None:
