@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 from eagertp._format import dtype_str, group_str
@@ -98,11 +99,16 @@ def calibrate_min_fuse_bytes(
 
                 def program(x=x) -> None:
                     funcol_all_gather(x, 0, group) @ b
-            else:
+            elif kind == "reduce_scatter":
                 x = torch.randn(world * rows, k, dtype=dtype, device=device)
 
                 def program(x=x) -> None:
                     funcol_reduce_scatter(x @ b, "sum", 0, group).wait()
+            else:
+                x = torch.randn(world * rows, k, dtype=dtype, device=device)
+
+                def program(x=x) -> None:
+                    funcol.all_reduce(x @ b, "sum", group).wait()
 
             fns = [_inside(plain, program), _inside(fused, program)]
             times = time_round_robin(fns, group, device=device, repeats=repeats, warmup=warmup)
@@ -115,7 +121,7 @@ def calibrate_min_fuse_bytes(
     return Calibration(thresholds, table, where)
 
 
-_FUSED = {"all_gather": "all_gather_matmul", "reduce_scatter": "matmul_reduce_scatter"}
+_FUSED = {"all_gather": "all_gather_matmul", "reduce_scatter": "matmul_reduce_scatter", "all_reduce": "matmul_all_reduce"}
 
 
 def _inside(pipe: EagerMicroPipeline, program: Callable[[], None]) -> Callable[[], None]:

@@ -588,6 +588,9 @@ class PendingGather:
     # Consumers of other gathers whose row-wise scale_a this gather's placeholder
     # is (Note [Gathered row-wise scales]).
     scale_of: list[PendingMatmul] = dataclasses.field(default_factory=list)
+    # The all-gather half of a fused all-reduce: ``record`` is the all-reduce's
+    # (Note [Matmul + all-reduce] in eagertp.engine).
+    half_of_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         self.views.append(GatheredView(self.out, 0, self.group.size(), self.tid))

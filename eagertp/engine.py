@@ -244,6 +244,16 @@ class Engine:
     def _account_gather(self, gather: PendingGather, plan: AllGatherMatmulPlan, reason: str | Reason) -> None:
         """Stats, explain() record and trace event of a completed gather."""
         overlapped = self.matmul_work - gather.work_at_start
+        if gather.half_of_all_reduce:
+            # The all-reduce was accounted for where it was issued; only its
+            # gather half's consumers are new (Note [Matmul + all-reduce]).
+            if plan.fused:
+                self.matmul_work += len(gather.consumers)
+                self.stats[plan.name] += 1
+                self.stats["fused_matmuls"] += len(gather.consumers)
+                gather.record.gather_half_with = plan.fused_with()
+            self.trace.event(f"{plan.render()} [{gather.backend}]")
+            return
         if gather.scale_of:
             self.stats["fused_scale_gathers"] += 1
         if plan.fused:
@@ -275,17 +285,27 @@ class Engine:
         return out
 
     def start_gather(
-        self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
+        self,
+        shard: torch.Tensor,
+        group: dist.ProcessGroup,
+        out: torch.Tensor | None = None,
+        *,
+        all_reduce: CollectiveRecord | None = None,
     ) -> torch.Tensor:
         """Start the gather now and return its placeholder: ``out`` (contiguous,
-        gathered shape), the caller's output buffer, or a new one."""
+        gathered shape), the caller's output buffer, or a new one. With
+        ``all_reduce``, the gather is that fused all-reduce's second half and
+        shares its record (Note [Matmul + all-reduce])."""
         if self.store.touched([shard]) is not None:
             self.complete_owners([shard], "all_gather_into_tensor")
         shard = shard.contiguous()
         if out is None:
             out = self.placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
-        record = self.new_record("all_gather", shard, out, group)
-        gather = PendingGather(shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work)
+        record = all_reduce or self.new_record("all_gather", shard, out, group)
+        gather = PendingGather(
+            shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work,
+            half_of_all_reduce=all_reduce is not None,
+        )
         with self.issuing_work():
             if self.verify:
                 # NB: before the backend is chosen: symm_mem's first use of a
@@ -296,10 +316,12 @@ class Engine:
                 gather.reference = torch.empty_like(out)
                 all_gather_consume(ReferenceBackend(), shard, None, gather.reference, group)
             backend, note = self.backend.for_collective(shard, group)
-            gather.backend = record.backend = backend.name if note is None else f"{backend.name}; {note}"
+            gather.backend = backend.name if note is None else f"{backend.name}; {note}"
+            if all_reduce is None:
+                record.backend = gather.backend
             gather.handle = backend.start_all_gather(shard, out, group)
         self.store.add_gather(gather)
-        self.trace.event(f"${gather.tid}: {record.dst} = all_gather({record.src}, {record.group})")
+        self.trace.event(f"${gather.tid}: {tensor_str(out)} = all_gather({tensor_str(shard)}, {record.group})")
         return out
 
     # -- matmuls -----------------------------------------------------------
@@ -325,7 +347,10 @@ class Engine:
         if not self.store.items and a.dim() == 2 and b.dim() == 2:
             # Too small for any reduce-scatter of it to fuse: run it now
             # (Note [Deferral boundary]). NB: the hot path of small matmuls.
-            never_fused = self.backend.min_bytes(a.device.type, "reduce_scatter")
+            never_fused = min(
+                self.backend.min_bytes(a.device.type, "reduce_scatter"),
+                self.backend.min_bytes(a.device.type, "all_reduce"),
+            )
             if a.shape[0] * b.shape[1] * _WIDEST_CAST < never_fused:
                 return self.run_matmul(func, args, kwargs)
         out_dtype, rejected = _matmul_out_dtype(a, b, bias, scaled)
@@ -583,16 +608,8 @@ class Engine:
 
     def _issue(self, plan: ReduceScatterPlan, unfused_reason: str) -> None:
         """Run a reduce-scatter's plan on the backend now, and account for it."""
-        with self.issuing_work(), _profiler_range(f"eagertp::{plan.name}"):
-            if self.verify:
-                # NB: before the backend is chosen (see start_gather).
-                _check_ranks_agree(plan.signature(), plan.group)
-            backend, note = self.backend.for_collective(plan.buffer, plan.group)
-            plan.run(backend)
-            if self.verify:
-                for what, got, want, exact in plan.checks():
-                    _check_equal(what, got, want, plan.group, exact=exact)
-        label = backend.name if note is None else f"{backend.name}; {note}"
+        with _profiler_range(f"eagertp::{plan.name}"):
+            label = self._run_scatter(plan)
         if plan.fused:
             self.matmul_work += 1
             self.stats[plan.name] += 1
@@ -601,6 +618,125 @@ class Engine:
             self.stats[f"unfused_{plan.kind}"] += 1
             self.trace.mark_unfused(plan.record, unfused_reason, label)
         self.trace.event(f"{plan.render()} [{label}]")
+
+    def _run_scatter(self, plan: ReduceScatterPlan) -> str:
+        """Run a reduce-scatter's plan on the backend now (verified with
+        ``verify=True``); the backend's label for explain()."""
+        with self.issuing_work():
+            if self.verify:
+                # NB: before the backend is chosen (see start_gather).
+                _check_ranks_agree(plan.signature(), plan.group)
+            backend, note = self.backend.for_collective(plan.buffer, plan.group)
+            plan.run(backend)
+            if self.verify:
+                for what, got, want, exact in plan.checks():
+                    _check_equal(what, got, want, plan.group, exact=exact)
+        return backend.name if note is None else f"{backend.name}; {note}"
+
+    # -- all-reduce --------------------------------------------------------
+
+    # Note [Matmul + all-reduce]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # TP without sequence parallel all-reduces a row-parallel linear's output
+    # (and, in backward, a column-parallel linear's input gradient). Fuse::
+    #
+    #     C = mm(A, B)                          # or addmm, _scaled_mm, a sum of them, their cast
+    #     C = all_reduce(C, op, group)          # funcol, all_reduce_, dist.all_reduce
+    #
+    # into its two halves, both started at the program point:
+    #
+    #     shard = reduce_scatter(C, op)         # produced chunk by chunk: ReduceScatterPlan
+    #                                           # with C's product as producer, written into
+    #                                           # rows [rank*m, (rank+1)*m) of the result
+    #     result = all_gather(shard)            # started at once (start_gather): a gather
+    #                                           # in flight into the result itself
+    #
+    # Each element is reduced once, by the rank that owns its rows, then copied
+    # to every rank: all ranks hold the same bits. The gather half is a gather
+    # in flight like any other: a following matmul on the all-reduced tensor
+    # binds to it and runs chunk by chunk as the reduced shards land. On 2
+    # ranks, rank 0 (``P[c]``: C's rows of chunk c; ``mm[i]``: a following
+    # matmul on rank i's reduced rows)::
+    #
+    #     program: C = A @ B   all_reduce(C)  ....................... D = C @ W   read(D)
+    #     comm:                [ send P[1] ][ recv ][ AG: -> 1, <- 1 ........ ]
+    #     compute:             [ P[1] ]  [ P[0] ][+]       (other work)     [ mm[0] ][ mm[1] ]
+    #
+    # The messages are the reduce-scatter ring's then the gather's, whatever
+    # fuses with either (Invariant 2). Issued as written (with the reason): an
+    # input that is not a pending product, rows that do not split over the
+    # ranks, a reduce op without a point-to-point implementation, the size rule.
+
+    def all_reduce(
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple,
+        kwargs: dict,
+        inp: torch.Tensor,
+        reduce_op: str,
+        group: dist.ProcessGroup,
+        *,
+        in_place: bool,
+    ) -> Any:
+        """Run an all-reduce on a managed group now: fused with the pending
+        product that makes its input where there is one (Note [Matmul +
+        all-reduce]), else as the program wrote it. ``in_place``: the result is
+        ``inp`` itself (``all_reduce_``, raw c10d), else a new tensor."""
+        world = group.size()
+        kind = f"all_reduce({reduce_op})"
+        found = self.store.standalone_output(inp) if self.store else None
+        why_not = self._why_not_all_reduce(found, inp, reduce_op, world, in_place)
+        if why_not is not None:
+            signature = f"{kind} of {tensor_str(inp)}"
+            return self.issue_as_is(func, args, kwargs, kind, inp, group, why_not, signature)
+        product, _ = found
+        self.store.remove(product)
+        result = inp if in_place else self.placeholder(inp, inp.shape)
+        rows = result.view(product.out.shape)  # [M, N], contiguous
+        m = rows.shape[0] // world
+        shard = rows[group.rank() * m : (group.rank() + 1) * m]  # this rank's reduced rows
+        record = self.new_record(kind, inp, result, group)
+        plan = ReduceScatterPlan(shard, reduce_op, group, record, product=product)
+        with _profiler_range("eagertp::matmul_all_reduce"):
+            label = self._run_scatter(plan)
+            self.start_gather(shard, group, rows, all_reduce=record)
+        if not in_place:
+            # NB: as after a fused reduce-scatter, the product's own output
+            # stays readable (computed in full only if read). In place, the
+            # all-reduce overwrote it: nothing can read it any more.
+            product.absorbed = True
+            self.store.add_product(product)
+        self.matmul_work += 1
+        self.stats["matmul_all_reduce"] += 1
+        self.trace.mark_fused(record, plan.fused_with(), label)
+        self.trace.event(f"matmul_all_reduce({reduce_op}, ${product.tid}) [{label}]")
+        return result
+
+    def _why_not_all_reduce(
+        self,
+        found: tuple[Product, ScatterView | None] | None,
+        inp: torch.Tensor,
+        reduce_op: str,
+        world: int,
+        in_place: bool,
+    ) -> str | None:
+        """Why an all-reduce of ``inp`` is issued as written, if it is."""
+        if reduce_op not in REDUCE_OPS:
+            return f"reduce_op {reduce_op!r} has no point-to-point implementation"
+        too_small = self.backend.size_rule(inp.device.type, "all_reduce", inp.nbytes // world)
+        if too_small is not None:
+            return too_small
+        if found is None or found[1] is not None:
+            return "its input is not the pending output of a matmul"
+        product = found[0]
+        if product.out.shape[0] % world:
+            return (
+                f"the rows of the matmul output {tensor_str(product.out)} do not split "
+                f"over {world} ranks"
+            )
+        if in_place and self.store.is_input(inp):
+            return "pending work reads the tensor it overwrites"
+        return None
 
     # -- collectives issued as written -------------------------------------
 

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Imported for their handlers (they register into the table).
 import eagertp.collectives.all_gather  # noqa: F401
+import eagertp.collectives.all_reduce  # noqa: F401
 import eagertp.collectives.c10d  # noqa: F401
 import eagertp.collectives.reduce_scatter  # noqa: F401
 import eagertp.matmuls  # noqa: F401

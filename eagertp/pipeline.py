@@ -83,19 +83,19 @@ class EagerMicroPipeline:
             ``eagertp.backends.MIN_FUSE_BYTES`` (on CPU, measured: 1 MiB for
             all-gathers, 512 KiB for reduce-scatters; 0 on CUDA). ``0`` fuses
             every size. A dict sets it per kind (``{"all_gather": ...,
-            "reduce_scatter": ...}``, as ``calibrate_min_fuse_bytes`` returns
+            "reduce_scatter": ..., "all_reduce": ...}``, as ``calibrate_min_fuse_bytes`` returns
             it); a kind left out keeps its default.
         max_records: bound on the trace and ``explain()`` records kept.
 
     Attributes:
-        stats: counters. ``all_gather_matmul`` and ``matmul_reduce_scatter``
-            (fused calls), ``fused_matmuls`` (matmuls inside the fused
+        stats: counters. ``all_gather_matmul``, ``matmul_reduce_scatter``
+            and ``matmul_all_reduce`` (fused calls; Note [Matmul + all-reduce]), ``fused_matmuls`` (matmuls inside the fused
             all-gathers), ``fused_scale_gathers`` (all-gathers of row-wise FP8
             scales that fed a fused call's ``_scaled_mm``s chunk by chunk:
             Note [Gathered row-wise scales]), ``overlapped_all_gather`` (no matmul consumed it, but
             matmuls ran while it was in flight: a prefetch kept),
-            ``unfused_all_gather`` (overlapped nothing) and
-            ``unfused_reduce_scatter``, each not fused with a reason in
+            ``unfused_all_gather`` (overlapped nothing),
+            ``unfused_reduce_scatter`` and ``unfused_all_reduce``, each not fused with a reason in
             ``explain()``.
     """
 

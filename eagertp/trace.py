@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class CollectiveRecord:
-    """One all-gather or reduce-scatter the mode saw, and what became of it.
+    """One all-gather, reduce-scatter or all-reduce the mode saw, and what became of it.
 
     ``fused_with`` names the consumers it was fused with (and ``scale_of`` the
     fused matmuls a gathered FP8 scale fed); otherwise ``reason`` says why it
@@ -41,7 +41,7 @@ class CollectiveRecord:
     collective has completed; before, it is in flight.
     """
 
-    kind: str  # "all_gather" | "reduce_scatter"
+    kind: str  # "all_gather" | "reduce_scatter(op)" | "all_reduce(op)"
     index: int  # per-kind sequence number within the block
     src: str  # rendered input, e.g. "f32[4, 16]"
     dst: str  # rendered output
@@ -51,6 +51,9 @@ class CollectiveRecord:
     reason: str | None = None
     # A gathered row-wise FP8 scale: the fused matmuls it is scale_a of.
     scale_of: list[str] | None = None
+    # A fused all-reduce: the matmuls its all-gather half fed, once completed
+    # (Note [Matmul + all-reduce] in eagertp.engine).
+    gather_half_with: list[str] | None = None
 
     def render(self) -> str:
         head = f"{self.kind} #{self.index} {self.src} -> {self.dst} on {self.group}"
@@ -58,6 +61,8 @@ class CollectiveRecord:
             roles = [f"fused with {', '.join(self.fused_with)}"] if self.fused_with else []
             if self.scale_of:
                 roles.append(f"fused as scale_a of {', '.join(self.scale_of)}")
+            if self.gather_half_with:
+                roles.append(f"its all-gather half fused with {', '.join(self.gather_half_with)}")
             return f"{head}: {'; '.join(roles)} [{self.backend}]"
         if self.reason is None:
             return f"{head}: in flight" + (f" [{self.backend}]" if self.backend else "")
@@ -148,7 +153,7 @@ class Trace:
 
     def explain(self) -> str:
         if not self.collectives and not self.dropped:
-            return "eagertp: no all-gather or reduce-scatter seen on a managed group"
+            return "eagertp: no all-gather, reduce-scatter or all-reduce seen on a managed group"
         lines = [r.render() for r in self.collectives]
         if self.dropped:
             lines.insert(0, f"({self.dropped} earlier records dropped)")

@@ -63,7 +63,7 @@ def test_reentering_an_active_instance_is_an_error():
 def test_explain_with_nothing_seen():
     with EagerMicroPipeline() as pipe:
         torch.ones(2) + 1
-    assert pipe.explain() == "eagertp: no all-gather or reduce-scatter seen on a managed group"
+    assert pipe.explain() == "eagertp: no all-gather, reduce-scatter or all-reduce seen on a managed group"
     assert pipe.debug_string() == ""
     assert not pipe.stats
 

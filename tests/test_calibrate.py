@@ -21,14 +21,15 @@ def _calibrate_worker(rank, group):
             "defaults_untouched": MIN_FUSE_BYTES == before}
 
 
-def test_calibration_measures_both_kinds_and_ranks_agree(pool):
+def test_calibration_measures_every_kind_and_ranks_agree(pool):
     results = pool.run(_calibrate_worker, 2)
     assert results[0]["thresholds"] == results[1]["thresholds"], "every rank gets the same answer"
     r = results[0]
-    assert set(r["thresholds"]) == {"all_gather", "reduce_scatter"}
+    assert set(r["thresholds"]) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert all(v in (0, 4096, 8192, 16384) for v in r["thresholds"].values()), r["thresholds"]
     assert [(row["kind"], row["nbytes"]) for row in r["table"]] == [
-        ("all_gather", 4096), ("all_gather", 8192), ("reduce_scatter", 4096), ("reduce_scatter", 8192)
+        ("all_gather", 4096), ("all_gather", 8192), ("reduce_scatter", 4096), ("reduce_scatter", 8192),
+        ("all_reduce", 4096), ("all_reduce", 8192),
     ]
     assert all(row["t_plain"] > 0 and row["t_fused"] > 0 for row in r["table"])
     assert r["defaults_untouched"]

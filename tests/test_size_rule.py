@@ -184,14 +184,14 @@ def test_min_fuse_bytes_error_text():
         EagerMicroPipeline(min_fuse_bytes=-1)
     expecttest.assert_expected_inline(
         str(e.value),
-        """EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0, a dict of them per kind ('all_gather', 'reduce_scatter'; e.g. calibrate_min_fuse_bytes(...).min_fuse_bytes) or None (the per-device default, eagertp.backends.MIN_FUSE_BYTES), got -1""",
+        """EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0, a dict of them per kind ('all_gather', 'reduce_scatter', 'all_reduce'; e.g. calibrate_min_fuse_bytes(...).min_fuse_bytes) or None (the per-device default, eagertp.backends.MIN_FUSE_BYTES), got -1""",
     )
     with pytest.raises(ValueError) as e:
         EagerMicroPipeline(min_fuse_bytes={"allgather": 1 << 20})
-    expecttest.assert_expected_inline(str(e.value), """EagerMicroPipeline(min_fuse_bytes={...}) takes a byte count >= 0 per kind, kinds ['all_gather', 'reduce_scatter']; got {'allgather': 1048576} (unknown kinds ['allgather'])""")
+    expecttest.assert_expected_inline(str(e.value), """EagerMicroPipeline(min_fuse_bytes={...}) takes a byte count >= 0 per kind, kinds ['all_gather', 'reduce_scatter', 'all_reduce']; got {'allgather': 1048576} (unknown kinds ['allgather'])""")
     with pytest.raises(ValueError) as e:
         EagerMicroPipeline(min_fuse_bytes={"all_gather": 1 << 20, "reduce_scatter": -1})
-    expecttest.assert_expected_inline(str(e.value), """EagerMicroPipeline(min_fuse_bytes={...}) takes a byte count >= 0 per kind, kinds ['all_gather', 'reduce_scatter']; got {'all_gather': 1048576, 'reduce_scatter': -1} (not a byte count >= 0: {'reduce_scatter': -1})""")
+    expecttest.assert_expected_inline(str(e.value), """EagerMicroPipeline(min_fuse_bytes={...}) takes a byte count >= 0 per kind, kinds ['all_gather', 'reduce_scatter', 'all_reduce']; got {'all_gather': 1048576, 'reduce_scatter': -1} (not a byte count >= 0: {'reduce_scatter': -1})""")
 
 
 @pytest.mark.parametrize(

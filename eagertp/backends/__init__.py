@@ -53,12 +53,12 @@ BACKENDS: dict[str, type[Backend]] = {
 }
 
 
-KINDS = ("all_gather", "reduce_scatter")  # the collectives eagertp fuses
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the collectives eagertp fuses
 
 
 # Note [Size rule]
 # A collective whose per-rank buffer (the all-gather's shard, the reduce-scatter's
-# output chunk) is smaller than MIN_FUSE_BYTES[device, kind] is not deferred: the
+# output chunk, the all-reduce's reduced shard) is smaller than MIN_FUSE_BYTES[device, kind] is not deferred: the
 # mode issues it exactly as the program did, at once, and records why (matmuls
 # that could only feed such a reduce-scatter are not deferred either: Note
 # [Deferral boundary]). A pipelined call pays fixed costs (a point-to-point
@@ -71,11 +71,17 @@ KINDS = ("all_gather", "reduce_scatter")  # the collectives eagertp fuses
 # its matmuls (Invariant 2: a rank that issues a gather alone and a peer that
 # fuses it must pick the same transport). CUDA is not measured yet: there
 # torch's fused ops are used at every size, as Inductor's pass does.
+# An all-reduce's per-rank buffer is its reduced shard (input bytes / W), as
+# for the reduce-scatter it starts with. NB: its CPU value is the
+# reduce-scatter's, not yet measured for the all-reduce (whose fused form adds
+# an all-gather of the shard, against gloo's own all-reduce).
 MIN_FUSE_BYTES: dict[tuple[str, str], int] = {
     ("cpu", "all_gather"): 1 << 20,
     ("cpu", "reduce_scatter"): 512 << 10,
+    ("cpu", "all_reduce"): 512 << 10,
     ("cuda", "all_gather"): 0,
     ("cuda", "reduce_scatter"): 0,
+    ("cuda", "all_reduce"): 0,
 }
 
 

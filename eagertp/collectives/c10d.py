@@ -1,5 +1,6 @@
 """Raw c10d collectives (Megatron-style code): ``dist.all_gather_into_tensor``,
-``dist.reduce_scatter_tensor`` and their aliases, sync or ``async_op=True``.
+``dist.reduce_scatter_tensor``, ``dist.all_reduce`` and their aliases, sync or
+``async_op=True``.
 The caller's output buffer is the placeholder."""
 
 from __future__ import annotations
@@ -78,3 +79,19 @@ def _c10d_reduce_scatter(engine: Engine, func, args, kwargs):
     out = output.view(inp.shape[0] // world, *inp.shape[1:])
     result = engine.reduce_scatter(func, args, kwargs, inp, name, group, out=out)
     return result if isinstance(result, tuple) else (output, _work(output))
+
+
+@register([c10d_ops.allreduce_.default])
+def _c10d_all_reduce(engine: Engine, func, args, kwargs):
+    """``dist.all_reduce(t, op, group)``, in place (Note [Matmul + all-reduce])."""
+    tensors, process_group, reduce_op = args[:3]
+    group = _c10d_group(engine, func, process_group)
+    if group is None:
+        return engine.run_plain(func, args, kwargs)
+    name = _REDUCE_OP_NAMES.get(reduce_op.op(), f"c10d reduce op {reduce_op.op()}")
+    sparse = args[3] if len(args) > 3 else kwargs.get("sparse_indices")
+    if len(tensors) != 1 or sparse is not None:
+        return engine.run_plain(func, args, kwargs)  # not dist.all_reduce of one dense tensor
+    (t,) = tensors
+    result = engine.all_reduce(func, args, kwargs, t, name, group, in_place=True)
+    return result if isinstance(result, tuple) else (tensors, _work(t))

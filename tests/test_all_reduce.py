@@ -1,0 +1,272 @@
+"""Matmul + all-reduce fusion (TP without sequence parallel) on 2 and 4 gloo ranks.
+
+Each fusion test asserts: the result equals plain eager (bitwise on
+integer-valued inputs), the fused path ran (stats, and an outer OpCounter sees
+the ring's point-to-point ops and no plain all-reduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from helpers import OpCounter, fusion_report, integer_tensor
+from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
+
+from eagertp import EagerMicroPipeline
+
+WORLDS = [2, 4]
+
+_PLAIN_ALL_REDUCES = (
+    "_c10d_functional.all_reduce.default",
+    "_c10d_functional.all_reduce_.default",
+    "c10d.allreduce_.default",
+)
+
+
+def _report(pipe, counter: OpCounter) -> dict:
+    return {
+        **fusion_report(pipe, counter),
+        "plain_all_reduces": sum(counter.counts[op] for op in _PLAIN_ALL_REDUCES),
+        "explain": pipe.explain(),
+    }
+
+
+def _assert_fused(r: dict, stats: dict, backend: str = "ring") -> None:
+    assert r["stats"] == stats, r
+    assert r["plain_all_reduces"] == 0, r
+    assert_moved_by(backend, r)
+
+
+def all_reduce(x: torch.Tensor, group, reduce_op: str = "sum") -> torch.Tensor:
+    out = funcol.all_reduce(x, reduce_op, group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def _funcol_worker(rank, group, reduce_op, in_place, shape, bias, sum_of_two):
+    """Row-parallel linear without SP: y = all_reduce(F.linear(h, w[, b]))."""
+    h = integer_tensor(shape, torch.float32, seed=rank)
+    w = integer_tensor((6, shape[-1]), torch.float32, seed=100 + rank)
+    w2 = integer_tensor((6, shape[-1]), torch.float32, seed=300 + rank)
+    b = integer_tensor((6,), torch.float32, seed=200 + rank) if bias else None
+    if reduce_op == "product":  # keep products of 4 ranks small and exact
+        h, w, w2 = h.clamp(-1, 1), w.clamp(-1, 1), w2.clamp(-1, 1)
+
+    def program():
+        y = F.linear(h, w, b)
+        if sum_of_two:
+            y = y + F.linear(h, w2)
+        if in_place:
+            torch.ops._c10d_functional.all_reduce_(y, reduce_op, group.group_name)
+            return torch.ops._c10d_functional.wait_tensor(y)
+        return all_reduce(y, group, reduce_op)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("reduce_op", ["sum", "max", "min", "product"])
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_funcol_all_reduce_of_a_matmul_fuses(pool, world, reduce_op, backend):
+    for r in run_on(backend, pool, _funcol_worker, world, reduce_op, False, (8, 8), True, False):
+        assert r["ok"], r
+        _assert_fused(r, {"matmul_all_reduce": 1}, backend)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("shape", [(8, 8), (2, 4, 8)], ids=["2d", "3d"])
+def test_in_place_all_reduce_fuses(pool, world, shape):
+    for r in pool.run(_funcol_worker, world, "sum", True, shape, False, False):
+        assert r["ok"], r
+        _assert_fused(r, {"matmul_all_reduce": 1})
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_of_a_sum_of_matmuls_fuses(pool, world):
+    results = pool.run(_funcol_worker, world, "sum", False, (8, 8), False, True)
+    for r in results:
+        assert r["ok"], r
+        _assert_fused(r, {"matmul_all_reduce": 1})
+    if world == 2:
+        assert_expected_inline(results[0]["explain"], """all_reduce(sum) #0 f32[8, 6] -> f32[8, 6] on group '2' (2 ranks): fused with mm + mm -> $2 [ring]""")
+
+
+def _consumer_worker(rank, group, backend_name, verify=False):
+    """The all-reduced tensor feeds the next matmul: it binds to the gather half."""
+    h = integer_tensor((8, 8), torch.float32, seed=rank)
+    w = integer_tensor((6, 8), torch.float32, seed=100 + rank)
+    v = integer_tensor((4, 6), torch.float32, seed=200 + rank)
+
+    def program():
+        y = all_reduce(F.linear(h, w), group)
+        return y, torch.relu(F.linear(y, v))
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline(backend=backend_name, verify=verify) as pipe:
+        got = program()
+    return {"ok": all(torch.equal(g, e) for g, e in zip(got, expected)), **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_matmul_on_the_all_reduced_tensor_binds_to_its_gather_half(pool, world, backend):
+    results = run_on(backend, pool, _consumer_worker, world, "auto")
+    for r in results:
+        assert r["ok"], r
+        _assert_fused(r, {"matmul_all_reduce": 1, "all_gather_matmul": 1, "fused_matmuls": 1}, backend)
+    if world == 2 and backend == "ring":
+        assert_expected_inline(results[0]["explain"], """all_reduce(sum) #0 f32[8, 6] -> f32[8, 6] on group '2' (2 ranks): fused with mm -> $0; its all-gather half fused with mm -> $2 [ring]""")
+
+
+def test_verify_checks_both_halves(pool):
+    """verify=True: ranks agree on the reduce-scatter half and the gather half,
+    and each is compared with plain eager's."""
+    for r in pool.run(_consumer_worker, 2, "ring", True):
+        assert r["ok"], r
+        assert r["stats"] == {"matmul_all_reduce": 1, "all_gather_matmul": 1, "fused_matmuls": 1}, r
+
+
+def _unfused_worker(rank, group, case):
+    if case == "embedding":  # a non-matmul input
+        table = integer_tensor((16, 8), torch.float32, seed=rank)
+        idx = torch.tensor([1, 3, 5, 7])
+
+        def program():
+            return all_reduce(F.embedding(idx, table), group)
+
+    else:  # rows not divisible by the world size
+        h = integer_tensor((3, 8), torch.float32, seed=rank)
+        w = integer_tensor((8, 6), torch.float32, seed=100 + rank)
+
+        def program():
+            return all_reduce(h @ w, group)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("case", ["embedding", "rows"])
+def test_unfused_all_reduce_is_issued_as_written_with_its_reason(pool, case):
+    results = pool.run(_unfused_worker, 2, case)
+    for r in results:
+        assert r["ok"], r
+        assert r["stats"] == {"unfused_all_reduce": 1}, r
+        assert r["plain_all_reduces"] == 1, r
+    if case == "embedding":
+        assert_expected_inline(results[0]["explain"], """all_reduce(sum) #0 f32[4, 8] -> f32[4, 8] on group '2' (2 ranks): not fused: its input is not the pending output of a matmul""")
+    else:
+        assert_expected_inline(results[0]["explain"], """all_reduce(sum) #0 f32[3, 6] -> f32[3, 6] on group '2' (2 ranks): not fused: the rows of the matmul output f32[3, 6] do not split over 2 ranks""")
+
+
+def _megatron_worker(rank, group, async_op, backend_name):
+    """Megatron-style TP MLP without SP on raw c10d: f (identity forward,
+    all-reduce of the input gradient in backward) before the column-parallel
+    linear, g (all-reduce forward, identity backward) after the row-parallel one."""
+
+    def all_reduce_in_place(t):
+        work = dist.all_reduce(t, group=group, async_op=async_op)
+        if async_op:
+            assert work.wait() is True and work.is_completed()
+        else:
+            assert work is None
+        return t
+
+    class CopyToTP(torch.autograd.Function):  # f
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return all_reduce_in_place(grad.contiguous())
+
+    class ReduceFromTP(torch.autograd.Function):  # g
+        @staticmethod
+        def forward(ctx, x):
+            return all_reduce_in_place(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    x0 = integer_tensor((8, 8), torch.float32, seed=0)  # replicated input
+    w1 = integer_tensor((6, 8), torch.float32, seed=10 + rank)  # column shard
+    w2 = integer_tensor((8, 6), torch.float32, seed=20 + rank)  # row shard
+
+    def step(ctx):
+        x, p1, p2 = (t.clone().requires_grad_() for t in (x0, w1, w2))
+        with ctx:
+            h = torch.relu(F.linear(CopyToTP.apply(x), p1))
+            y = ReduceFromTP.apply(F.linear(h, p2))
+            (y * y).sum().backward()
+        return [y.detach(), x.grad, p1.grad, p2.grad]
+
+    expected = step(contextlib.nullcontext())
+    counter, pipe = OpCounter(), EagerMicroPipeline(backend=backend_name)
+    with counter:
+        got = step(pipe)
+    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_megatron_style_c10d_mlp_fuses_forward_and_backward(pool, world, async_op, backend):
+    for r in run_on(backend, pool, _megatron_worker, world, async_op, "auto"):
+        assert all(r["ok"]), r
+        assert r["stats"].get("matmul_all_reduce") == 2, r  # g forward, f backward
+        assert "unfused_all_reduce" not in r["stats"], r
+        assert r["plain_all_reduces"] == 0, r
+        assert_moved_by(backend, r)
+
+
+def _dtensor_worker(rank, group, bias):
+    """Plain ColwiseParallel + RowwiseParallel (no SP): the row-parallel output
+    all-reduces in forward (Partial -> Replicate), the column-parallel input
+    gradient in backward."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=bias), torch.nn.ReLU(), torch.nn.Linear(16, 8, bias=bias))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-2, 3, p.shape))
+    model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x0 = integer_tensor((8, 8), torch.float32, seed=0)
+
+    def step(ctx):
+        model.zero_grad()
+        x = x0.clone().requires_grad_()
+        with ctx:
+            y = model(x)
+            (y * y).sum().backward()
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        return [y.detach(), x.grad, *grads]
+
+    expected = step(contextlib.nullcontext())
+    counter, pipe = OpCounter(), EagerMicroPipeline()
+    with counter:
+        got = step(pipe)
+    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_dtensor_tp_without_sequence_parallel(pool, world, bias):
+    for r in pool.run(_dtensor_worker, world, bias):
+        assert all(r["ok"]), r
+        assert r["stats"].get("matmul_all_reduce") == 2, r  # forward output, backward input gradient
+        assert "unfused_all_reduce" not in r["stats"], r
+        assert r["plain_all_reduces"] == 0 and r["p2p_ops"] > 0, r
