@@ -241,6 +241,11 @@ class Engine:
             for what, got, want, exact in plan.checks():
                 _check_equal(what, got, want, plan.group, exact=exact)
 
+    def _count_fused(self, gather: PendingGather, plan: AllGatherMatmulPlan) -> None:
+        self.matmul_work += len(gather.consumers)
+        self.stats[plan.name] += 1
+        self.stats["fused_matmuls"] += len(gather.consumers)
+
     def _account_gather(self, gather: PendingGather, plan: AllGatherMatmulPlan, reason: str | Reason) -> None:
         """Stats, explain() record and trace event of a completed gather."""
         overlapped = self.matmul_work - gather.work_at_start
@@ -248,18 +253,14 @@ class Engine:
             # The all-reduce was accounted for where it was issued; only its
             # gather half's consumers are new (Note [Matmul + all-reduce]).
             if plan.fused:
-                self.matmul_work += len(gather.consumers)
-                self.stats[plan.name] += 1
-                self.stats["fused_matmuls"] += len(gather.consumers)
+                self._count_fused(gather, plan)
                 gather.record.gather_half_with = plan.fused_with()
             self.trace.event(f"{plan.render()} [{gather.backend}]")
             return
         if gather.scale_of:
             self.stats["fused_scale_gathers"] += 1
         if plan.fused:
-            self.matmul_work += len(gather.consumers)
-            self.stats[plan.name] += 1
-            self.stats["fused_matmuls"] += len(gather.consumers)
+            self._count_fused(gather, plan)
             self.trace.mark_fused(gather.record, plan.fused_with(), gather.backend, scale_of=plan.scale_of())
         elif gather.scale_of:
             self.trace.mark_fused(gather.record, [], gather.backend, scale_of=plan.scale_of())
