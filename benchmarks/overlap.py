@@ -1,6 +1,6 @@
 """Overlap of one fused op: eagertp against unfused eager and the limit.
 
-For all-gather + matmul and matmul + reduce-scatter, sweeps shapes from
+For all-gather + matmul, matmul + reduce-scatter and matmul + all-reduce, sweeps shapes from
 communication-bound to compute-bound and times, in one run: the collective
 alone (t_comm), the matmul alone (t_mm), unfused eager (t_unfused: the
 collective, then the matmul) and eagertp (t_fused). The limit for a fused op is
@@ -13,6 +13,15 @@ E = (t_unfused - t_fused) / (t_unfused - max(t_comm, t_mm)).
 
 ``all_gather_matmul_k`` gathers along the contraction dim (column blocks of A,
 partial products accumulated).
+
+``matmul_all_reduce`` is ``funcol.all_reduce(a @ b, "sum", group)`` with a @ b
+M x K @ K x N as in the other forms (a row-parallel linear's output); comm is a
+plain all-reduce of the M x N product. eagertp runs it as a reduce-scatter fed
+chunk by chunk by the matmul, then an all-gather of the reduced rows (Note
+[Matmul + all-reduce] in eagertp.engine); nothing here reads the result with a
+matmul, so the gather half has nothing to hide behind, and with 2 ranks the
+attainable time is about max(comm/2, mm) + comm/2, not max(comm, mm): E stays
+below 0.5 at the balance point.
 
 ``all_gather_indep_matmul`` is the prefetch form: the program issues the
 all-gather, then a matmul that does not read it, then the gather's consumer::
@@ -42,7 +51,10 @@ import sys
 
 import _harness
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_gather_matmul_k", "all_gather_indep_matmul")
+OPS = (
+    "all_gather_matmul", "matmul_reduce_scatter", "all_gather_matmul_k", "all_gather_indep_matmul",
+    "matmul_all_reduce",
+)
 # Forms whose program plain eager already overlaps (an async gather behind
 # independent work): reported against that program, in a table of their own.
 PREFETCH_OPS = ("all_gather_indep_matmul",)
@@ -121,6 +133,17 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
             # NB: both results returned, so nothing can skip either matmul as unobserved.
             return z, ag @ b
 
+    elif op == "matmul_all_reduce":
+        a = torch.randn(m, k, generator=g, dtype=dtype)
+        c = torch.zeros(m, n, dtype=dtype)  # NB: zeros, so that summing it in place, repeatedly, stays finite
+
+        def comm():
+            dist.all_reduce(c, group=group)
+
+        def program():
+            # NB: returned, so the all-reduced result is observed (held until the block's exit).
+            return funcol.all_reduce(a @ b, "sum", group).wait()
+
     else:
         a = torch.randn(m, k, generator=g, dtype=dtype)
         c = torch.randn(m, n, dtype=dtype)
@@ -160,7 +183,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
             fns = {"t_comm": comm, "t_mm": mm, "t_unfused": program, "t_fused": with_eagertp}
             t = _harness.time_interleaved(fns, dist.group.WORLD, repeats=args.repeats, warmup=args.warmup)
-            fused = pipe.stats["all_gather_matmul"] + pipe.stats["matmul_reduce_scatter"] == 1
+            fused = sum(pipe.stats[s] for s in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")) == 1
             # Unfused only by the size rule (a pattern that failed to match is a bug here).
             assert fused or "size rule" in pipe.explain(), f"{op} did not run fused: {pipe.explain()}"
             results.append(

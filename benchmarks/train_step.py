@@ -3,8 +3,11 @@ eager against eagertp, timed in the same run.
 
     python benchmarks/train_step.py                    # 2 CPU ranks, plain loopback
     python benchmarks/train_step.py --link-rate 2gbit  # wire-limited loopback
+    python benchmarks/train_step.py --no-sequence-parallel   # plain TP: all-reduces
 
-The model and the TP plan are the demo's (eagertp.demo). Each sample is one
+The model and the TP plan are the demo's (eagertp.demo); with
+``--no-sequence-parallel`` the plan is plain TP (Colwise/Rowwise, activations
+replicated), whose collectives are all-reduces (matmul + all-reduce fused). Each sample is one
 forward + backward; the optimizer step is outside the timed region. CUDA and a
 torch.compile peer (Inductor's micro-pipeline TP) are not measured here yet:
 the CPU machines this runs on have neither a GPU nor symmetric memory.
@@ -31,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--backend", default="auto", help="eagertp backend")
+    from eagertp.demo import add_sequence_parallel_arg
+
+    add_sequence_parallel_arg(parser)
     return parser.parse_args(argv)
 
 
@@ -42,13 +48,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
 
     from eagertp import EagerMicroPipeline
-    from eagertp.demo import build_model
+    from eagertp.demo import build_model, local_input
 
     mesh = DeviceMesh("cpu", list(range(world)))
     group = mesh.get_group()
     model = build_model(args, mesh)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch, args.seq, args.dim, generator=g).chunk(world, dim=1)[rank].contiguous()
+    x = local_input(torch.randn(args.batch, args.seq, args.dim, generator=g), args.sequence_parallel, rank, world)
 
     def step(context) -> None:
         with context:
@@ -70,10 +76,15 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "seq": args.seq,
         "dim": args.dim,
+        "sequence_parallel": args.sequence_parallel,
         "backend": pipe.backend,
         **t,
-        "fused_ops_per_step": stats.get("all_gather_matmul", 0) + stats.get("matmul_reduce_scatter", 0),
-        "unfused_ops_per_step": stats.get("unfused_all_gather", 0) + stats.get("unfused_reduce_scatter", 0),
+        "fused_ops_per_step": sum(
+            stats.get(k, 0) for k in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+        ),
+        "unfused_ops_per_step": sum(
+            stats.get(k, 0) for k in ("unfused_all_gather", "unfused_reduce_scatter", "unfused_all_reduce")
+        ),
     }
 
 
@@ -84,7 +95,9 @@ def main(argv=None) -> int:
     link = args.link_rate or "loopback"
     r["link"] = link
     print(
-        f"train_step: {r['world_size']} ranks, gloo on {link}, {r['layers']} blocks, batch {r['batch']}, "
+        f"train_step: {r['world_size']} ranks, gloo on {link}, "
+        f"{'TP + SP' if r['sequence_parallel'] else 'TP without SP (all-reduces)'}, {r['layers']} blocks, "
+        f"batch {r['batch']}, "
         f"seq {r['seq']}, dim {r['dim']}; forward + backward, median of {args.repeats}"
     )
     print(f"  unfused eager  {r['t_unfused'] * 1e3:8.1f} ms")

@@ -9,6 +9,10 @@ projections, an MLP with bias, LayerNorms) made tensor + sequence parallel by
 DTensor's ``parallelize_module``: ColwiseParallel, RowwiseParallel,
 SequenceParallel and PrepareModuleInput, as torchtitan does. Per block and
 step that is 4 all-gathers and 4 reduce-scatters (forward and backward).
+``--no-sequence-parallel`` makes it plain TP instead (ColwiseParallel and
+RowwiseParallel only, activations replicated): per block and step 6
+all-reduces (2 row-parallel outputs forward, 4 column-parallel input gradients
+backward), which eagertp fuses as matmul + all-reduce.
 
 The same steps run twice from the same initial weights: plain eager, then
 inside ``EagerMicroPipeline``. The demo prints both losses per step,
@@ -78,29 +82,31 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def tensor_parallel_plan() -> dict:
-    """Tensor + sequence parallel for one TransformerBlock; activations [B, S, D]
-    are sharded along the sequence (dim 1) between the parallel regions."""
-    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {
-        "ln1": SequenceParallel(),
-        "attn": gather_sequence,
-        "attn.wq": ColwiseParallel(),
-        "attn.wk": ColwiseParallel(),
-        "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ln2": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.w1": ColwiseParallel(),
-        "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
-    }
+def tensor_parallel_plan(sequence_parallel: bool = True) -> dict:
+    """The TP plan for one TransformerBlock; activations are [B, S, D].
+
+    ``sequence_parallel=True`` (tensor + sequence parallel, as torchtitan):
+    activations are sharded along the sequence (dim 1) between the parallel
+    regions; each region all-gathers its input and reduce-scatters its output.
+    ``False`` (plain Megatron TP): activations are replicated; the row-parallel
+    outputs all-reduce in forward, the column-parallel input gradients in
+    backward."""
+    plan: dict = {}
+    for norm, region, colwise, rowwise in (("ln1", "attn", ("wq", "wk", "wv"), "wo"), ("ln2", "mlp", ("w1",), "w2")):
+        if sequence_parallel:
+            plan[norm] = SequenceParallel()
+            plan[region] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({f"{region}.{name}": ColwiseParallel() for name in colwise})
+        plan[f"{region}.{rowwise}"] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+    return plan
 
 
 def build_model(args: argparse.Namespace, mesh: DeviceMesh) -> nn.Module:
     torch.manual_seed(0)  # the same initial weights on every rank and in both runs
     blocks = nn.Sequential(*(TransformerBlock(args.dim, args.heads) for _ in range(args.layers)))
     for block in blocks:
-        parallelize_module(block, mesh, tensor_parallel_plan())
+        # NB: getattr: callers' own namespaces (benchmarks/memory.py) may not set it.
+        parallelize_module(block, mesh, tensor_parallel_plan(getattr(args, "sequence_parallel", True)))
     return blocks.to(mesh.device_type)
 
 
@@ -120,7 +126,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8, help="attention heads (divisible by the world size)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--backend", default="auto", help="eagertp backend: auto, ring, reference")
+    add_sequence_parallel_arg(parser)
     return parser.parse_args(argv)
+
+
+def add_sequence_parallel_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-sequence-parallel",
+        dest="sequence_parallel",
+        action="store_false",
+        help="plain TP (Colwise/Rowwise, activations replicated): all-reduces instead of "
+        "all-gathers and reduce-scatters",
+    )
 
 
 def train(args, mesh: DeviceMesh, pipe: EagerMicroPipeline | None) -> tuple[list[float], list[float]]:
@@ -133,8 +150,7 @@ def train(args, mesh: DeviceMesh, pipe: EagerMicroPipeline | None) -> tuple[list
         gen = torch.Generator().manual_seed(1000 + step)
         x = torch.randn(args.batch, args.seq, args.dim, generator=gen)
         target = torch.randn(args.batch, args.seq, args.dim, generator=gen)
-        # Sequence-parallel input: this rank's block of the sequence.
-        x, target = (t.chunk(world, dim=1)[rank].contiguous().to(mesh.device_type) for t in (x, target))
+        x, target = (local_input(t, args.sequence_parallel, rank, world).to(mesh.device_type) for t in (x, target))
         _sync(mesh)
         start = time.perf_counter()
         with pipe if pipe is not None else contextlib.nullcontext():
@@ -148,6 +164,12 @@ def train(args, mesh: DeviceMesh, pipe: EagerMicroPipeline | None) -> tuple[list
         dist.all_reduce(total, group=group)
         losses.append(total.item() / world)
     return losses, times
+
+
+def local_input(t: torch.Tensor, sequence_parallel: bool, rank: int, world: int) -> torch.Tensor:
+    """This rank's part of a [B, S, D] input: its block of the sequence with
+    sequence parallel, else all of it (replicated)."""
+    return t.chunk(world, dim=1)[rank].contiguous() if sequence_parallel else t
 
 
 def _sync(mesh: DeviceMesh) -> None:
@@ -187,11 +209,21 @@ def _report(args, mesh, pipe, losses, times, match: bool, max_diff: float) -> No
         f"eagertp {t_fused * 1e3:.1f} ms ({t_plain / t_fused:.2f}x)\n"
     )
     stats = pipe.stats
+    if args.sequence_parallel:
+        fused = (
+            f"{stats['all_gather_matmul']} all_gather_matmul "
+            f"({stats['fused_matmuls']} matmuls), {stats['matmul_reduce_scatter']} matmul_reduce_scatter, "
+            f"{stats['unfused_all_gather']} unfused all-gathers, "
+            f"{stats['unfused_reduce_scatter']} unfused reduce-scatters"
+        )
+    else:
+        fused = (
+            f"{stats['matmul_all_reduce']} matmul_all_reduce, {stats['all_gather_matmul']} all_gather_matmul "
+            f"({stats['fused_matmuls']} matmuls) on their gather halves, "
+            f"{stats['unfused_all_reduce']} unfused all-reduces"
+        )
     out.write(
-        f"fused ops in the last step: {stats['all_gather_matmul']} all_gather_matmul "
-        f"({stats['fused_matmuls']} matmuls), {stats['matmul_reduce_scatter']} matmul_reduce_scatter, "
-        f"{stats['unfused_all_gather']} unfused all-gathers, "
-        f"{stats['unfused_reduce_scatter']} unfused reduce-scatters; "
+        f"fused ops in the last step: {fused}; "
         f"losses match plain eager: {'yes' if match else 'NO'} (max abs diff {max_diff:.2g})\n"
     )
     out.flush()

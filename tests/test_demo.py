@@ -35,6 +35,17 @@ def test_demo_output_is_header_to_verdict_with_nothing_on_stderr():
     assert lines[-1].endswith(")") and "losses match plain eager: yes" in lines[-1], done.stdout
 
 
+def test_demo_without_sequence_parallel_fuses_every_all_reduce():
+    # Plain TP: 6 all-reduces per block and step (2 forward, 4 backward), all fused.
+    done = _run_demo("--no-sequence-parallel", "--layers", "1", "--steps", "1", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("eagertp demo: 2 ranks (gloo, cpu)"), done.stdout
+    assert lines[-1].startswith("fused ops in the last step: 6 matmul_all_reduce"), done.stdout
+    assert "0 unfused all-reduces" in lines[-1] and "losses match plain eager: yes" in lines[-1], done.stdout
+
+
 def test_demo_help_has_nothing_on_stderr():
     done = _run_demo("--help", timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
