@@ -103,7 +103,12 @@ def _hf_worker(rank, group, path):
 
 
 def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(pool, tmp_path):
-    results = pool.run(_hf_worker, WORLD, str(tmp_path))
+    try:
+        results = pool.run(_hf_worker, WORLD, str(tmp_path))
+    finally:
+        # NB: transformers stays imported in the workers (its lazy modules, its
+        # threads): later tests that count live objects get fresh ones.
+        pool.restart()
     for r in results:
         assert all(c is True for c in r["close"]), r["close"]  # logits, loss, gradients
         # Plain eager: 16 all-reduces (explain() names each one's input). 15 reduce a matmul output: forward, each

@@ -243,7 +243,10 @@ def test_thousands_of_steps_leave_no_growth_and_no_unfilled_placeholder(pool):
     for r in pool.run(_long_run_worker, 2, 2000, timeout=120):
         assert not r["nan_seen"], "a poisoned placeholder escaped"
         assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
-        assert r["after"] == r["before"], f"live (objects, tensors) grew: {r['before']} -> {r['after']}"
+        # NB: no growth; a few fewer objects is a cache of torch's evicting old
+        # entries (seen after earlier tests warmed the workers differently).
+        grew = [a > b for a, b in zip(r["after"], r["before"])]
+        assert not any(grew), f"live (objects, tensors) grew: {r['before']} -> {r['after']}"
         assert r["freed"], "the pipeline is kept alive by a reference cycle"
 
 
