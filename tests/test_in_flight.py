@@ -237,3 +237,26 @@ def test_landed_gather_runs_its_matmuls_whole(pool, world):
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 2}, r
         assert r["matmuls"] == [(4 * world, 8, 6), (8, 4 * world, 5)], r["matmuls"]
         assert r["trace"] == "all_gather_matmul($0 -> $1, $2, landed: whole) [reference]", r["trace"]
+
+
+class _FakeWork:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_ring_landed_asks_every_receive_off_the_cpu():
+    """NCCL's Work answers ``is_completed`` from its CUDA event: the 2-rank ring
+    asks each receive (no GPU here: a meta buffer stands for the device)."""
+    from eagertp.backends.ring import _P2PGather
+
+    gather = _P2PGather.__new__(_P2PGather)
+    gather._chunks, gather._rest = torch.empty(2, 4, device="meta"), []
+    gather._recvs = [(_FakeWork(True), 1), (_FakeWork(False), 1)]
+    assert gather.landed() is False
+    gather._recvs[1][0].done = True
+    assert gather.landed() is True
+    gather._chunks = torch.empty(2, 4)
+    assert gather.landed() is None, "gloo's point-to-point Work cannot tell"

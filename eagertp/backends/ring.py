@@ -194,7 +194,7 @@ class _P2PGather:
     def landed(self) -> bool | None:
         if self._chunks.device.type == "cpu":
             return None  # NB: gloo's point-to-point Work completes only in wait()
-        return all(work.is_completed() for work in self._recvs or self._rest)  # NCCL: its CUDA event
+        return all(work.is_completed() for work, _ in self._recvs or self._rest)  # NCCL: its CUDA event
 
 
 class _ThreadedRing:
