@@ -675,8 +675,12 @@ class PendingStore:
         self.items.remove(item)
         for t in _placeholders(item):
             del self._owner[storage_key(t)]
-        self._inputs.subtract(storage_key(t) for t in item.inputs())
-        self._inputs = +self._inputs  # drop the zeros
+        inputs = self._inputs
+        for t in item.inputs():
+            key = storage_key(t)
+            inputs[key] -= 1
+            if not inputs[key]:
+                del inputs[key]
 
     def owner(self, t: torch.Tensor) -> Pending | None:
         return self._owner.get(storage_key(t))
