@@ -76,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--backend", default="auto", help="eagertp backend")
     parser.add_argument(
-        "--ring-pieces", type=int, default=None, help="override the ring's maximum pieces per shard (MAX_PIECES)"
+        "--ring-pieces", type=int, default=None,
+        help="override the ring's maximum pieces per chunk, every collective (ring.PIECES)",
     )
     parser.add_argument(
         "--min-fuse-bytes",
@@ -94,12 +95,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
-    """``(comm, mm, program)`` for one form: the collective alone, the matmul
-    alone, and the program that eagertp fuses (unfused, except in the prefetch
-    form, where plain eager overlaps the gather with the independent matmul)."""
+    """``(comm, mm, program, hand)`` for one form: the collective alone, the
+    matmul alone, the program that eagertp fuses (unfused, except in the
+    prefetch form, where plain eager overlaps the gather with the independent
+    matmul), and on 2 ranks the hand-written schedules (``hand_schedules``):
+    ``{"t_move": the bare exchange of the bytes, "t_hand_<pieces>": ...}``."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
+
+    import hand_schedules as hand
 
     from eagertp._compat import all_gather_single, reduce_scatter_single
 
@@ -118,6 +123,10 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
         def program():
             funcol.all_gather_tensor(shard, gather_dim, group) @ b
 
+        schedule = hand.all_gather_matmul if gather_dim == 0 else hand.all_gather_matmul_k
+        hand_fns = {p: schedule(shard, b, p) for p in hand.PIECES}
+        moved = [shard]
+
     elif op == "all_gather_indep_matmul":
         shard = torch.randn(m // world, k, generator=g, dtype=dtype)
         gathered = torch.empty(m, k, dtype=dtype)
@@ -133,6 +142,9 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
             # NB: both results returned, so nothing can skip either matmul as unobserved.
             return z, ag @ b
 
+        hand_fns = {p: hand.all_gather_indep_matmul(shard, b, a2, b2, p) for p in hand.PIECES}
+        moved = [shard]
+
     elif op == "matmul_all_reduce":
         a = torch.randn(m, k, generator=g, dtype=dtype)
         c = torch.zeros(m, n, dtype=dtype)  # NB: zeros, so that summing it in place, repeatedly, stays finite
@@ -143,6 +155,9 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
         def program():
             # NB: returned, so the all-reduced result is observed (held until the block's exit).
             return funcol.all_reduce(a @ b, "sum", group).wait()
+
+        hand_fns = {p: hand.matmul_all_reduce(a, b, p) for p in hand.PIECES}
+        moved = [c[: m // world], c[: m // world]]  # the reduce-scatter half, then the gather half
 
     else:
         a = torch.randn(m, k, generator=g, dtype=dtype)
@@ -155,10 +170,15 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
         def program():
             funcol.reduce_scatter_tensor(a @ b, "sum", 0, group).wait()
 
+        hand_fns = {p: hand.matmul_reduce_scatter(a, b, p) for p in hand.PIECES}
+        moved = [out]
+
     def mm():
         torch.mm(full, b)
 
-    return comm, mm, program
+    if world != 2:
+        return comm, mm, program, {}
+    return comm, mm, program, {"t_move": hand.exchange(moved), **{f"t_hand_{p}": f for p, f in hand_fns.items()}}
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -169,11 +189,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from eagertp.backends import ring
 
     if args.ring_pieces is not None:
-        ring.MAX_PIECES = args.ring_pieces
+        ring.PIECES.update({kind: (args.ring_pieces, min_bytes) for kind, (_, min_bytes) in ring.PIECES.items()})
     results = []
     for op in args.ops:
         for n in args.n:
-            comm, mm, program = _case(op, args.m, args.k, n, world, getattr(torch, args.dtype), seed=rank)
+            comm, mm, program, hand = _case(op, args.m, args.k, n, world, getattr(torch, args.dtype), seed=rank)
             pipe = EagerMicroPipeline(backend=args.backend, min_fuse_bytes=args.min_fuse_bytes)
 
             def with_eagertp(pipe=pipe, program=program):
@@ -181,7 +201,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                     out = program()  # NB: held until the block's exit has issued it
                 return out
 
-            fns = {"t_comm": comm, "t_mm": mm, "t_unfused": program, "t_fused": with_eagertp}
+            fns = {"t_comm": comm, "t_mm": mm, "t_unfused": program, "t_fused": with_eagertp, **hand}
             t = _harness.time_interleaved(fns, dist.group.WORLD, repeats=args.repeats, warmup=args.warmup)
             fused = sum(pipe.stats[s] for s in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")) == 1
             # Unfused only by the size rule (a pattern that failed to match is a bug here).
@@ -207,6 +227,22 @@ def limit(r: dict) -> float:
     return max(r["t_comm"], r["t_mm"])
 
 
+def _add_hand(r: dict) -> None:
+    """The fastest hand schedule of the row (2 ranks only) and eagertp against
+    it; E_move: the overlap efficiency against the fastest bare move of the
+    bytes instead of the plain collective (gloo's collectives move bytes slower
+    than a bare exchange, which lifts E above what it says)."""
+    hands = {int(key.rsplit("_", 1)[1]): r[key] for key in r if key.startswith("t_hand_")}
+    if not hands:
+        r.update(t_hand=float("nan"), hand_pieces=0, over_hand=float("nan"), efficiency_move=float("nan"))
+        return
+    r["hand_pieces"] = min(hands, key=hands.get)
+    r["t_hand"] = hands[r["hand_pieces"]]
+    r["over_hand"] = r["t_fused"] / r["t_hand"]
+    saving = r["t_unfused"] - max(r["t_move"], r["t_mm"])
+    r["efficiency_move"] = (r["t_unfused"] - r["t_fused"]) / saving if saving > 0 else float("nan")
+
+
 def summary(results: list[dict]) -> str:
     """The issue's per-op targets, read off this run: for the fused forms E
     where comm and mm balance (the row with comm/mm nearest 1, per op) and the
@@ -228,6 +264,13 @@ def summary(results: list[dict]) -> str:
             f"  {op}: slowest N={worst['N']} ({worst['path']}) at eagertp = {1 / worst['speedup']:.2f}x "
             f"of plain eager's time (target <= 1.02x at every N)"
         )
+    against_hand = [r for r in results if r["hand_pieces"]]
+    if against_hand:
+        worst = max(against_hand, key=lambda r: r["over_hand"])
+        lines.append(
+            f"  furthest from the best hand schedule: {worst['op']} N={worst['N']} at "
+            f"{worst['over_hand']:.2f}x its time ({worst['hand_pieces']} pieces; target <= 1.03x at every N)"
+        )
     return "balance point and slowest row:\n" + "\n".join(lines)
 
 
@@ -243,9 +286,10 @@ def main(argv=None) -> int:
         r["t_limit"] = limit(r)
         if r["op"] in PREFETCH_OPS:
             r["t_eager_bound"] = max(r["t_comm"], r["t_mm"]) + r["t_mm"]
+        _add_hand(r)
     link = args.link_rate or "loopback"
     print(f"overlap: {args.world_size} ranks, gloo on {link}, {args.dtype}, medians of {args.repeats} (ms)")
-    times = ("t_comm", "t_mm", "t_unfused", "t_fused", "t_limit", "t_eager_bound")
+    times = ("t_comm", "t_mm", "t_unfused", "t_fused", "t_limit", "t_eager_bound", "t_hand", "t_move")
     ms = [{**r, **{key: r[key] * 1e3 for key in times if key in r}} for r in results]
     fused_forms = [r for r in ms if r["op"] not in PREFETCH_OPS]
     prefetch = [r for r in ms if r["op"] in PREFETCH_OPS]
@@ -268,11 +312,15 @@ def main(argv=None) -> int:
 
 
 def _prefetch_table(rows: list[dict]) -> str:
-    return _table(rows, "eager", [("t_eager_bound", "bound", ".2f"), ("t_limit", "limit", ".2f")])
+    return _table(rows, "eager", [("t_eager_bound", "bound", ".2f"), ("t_limit", "limit", ".2f"), *_HAND_COLUMNS])
 
 
 def _fused_table(rows: list[dict]) -> str:
-    return _table(rows, "unfused", [("efficiency", "E", ".2f")])
+    return _table(rows, "unfused", [("efficiency", "E", ".2f"), *_HAND_COLUMNS, ("efficiency_move", "E_move", ".2f")])
+
+
+# The best hand schedule (time, pieces) and eagertp's time over it.
+_HAND_COLUMNS = [("t_hand", "hand", ".2f"), ("hand_pieces", "p", "d"), ("over_hand", "eagertp/hand", ".2f")]
 
 
 def _table(rows: list[dict], baseline: str, tail: list[tuple[str, str, str]]) -> str:

@@ -172,6 +172,15 @@ class Operand(enum.Enum):
     COLS = "A, gathered columns"
 
 
+# select(t): the rows of t [M, X] that one chunk (or piece) of a reduce-scatter needs.
+RowSelect = Callable[[torch.Tensor], torch.Tensor]
+
+
+def all_rows(t: torch.Tensor) -> torch.Tensor:
+    """The RowSelect that picks every row."""
+    return t
+
+
 @dataclasses.dataclass(eq=False)
 class GatheredView:
     """A pending gather as the program sees it: ``tensor`` is ``cat`` of the W
@@ -389,23 +398,25 @@ class PendingMatmul(_Standalone):
         assert self.a is not None and self.b is not None, "a gather consumer has no rows of its own"
         self.compute(select(self.a), self.b, out, select)
 
-    def compute_cols(self, cols: slice, out: torch.Tensor) -> None:
-        """``out = self[:, cols]``: some output columns (B's columns, and the
-        bias's and a row-wise ``scale_b``'s with them)."""
+    def compute_cols(self, cols: slice, out: torch.Tensor, select: RowSelect = all_rows) -> None:
+        """``out = select(self)[:, cols]``: some output columns (B's columns, and
+        the bias's and a row-wise ``scale_b``'s with them) of the rows ``select``
+        picks (A's rows, and a row-wise ``scale_a``'s and the bias's with them)."""
         assert self.a is not None and self.b is not None, "a gather consumer has no columns of its own"
-        b = self.b[:, cols]
+        a, b = select(self.a), self.b[:, cols]
         if self.scaled is not None:
             sc = self.scaled
+            scale_a = sc.scale_a if sc.scale_a.numel() == 1 else select(sc.scale_a)
             scale_b = sc.scale_b if sc.scale_b.numel() == 1 else sc.scale_b[:, cols]
             torch._scaled_mm(
-                self.a, b, sc.scale_a, scale_b, bias=None if self.bias is None else self.bias[cols],
+                a, b, scale_a, scale_b, bias=None if self.bias is None else self.bias[cols],
                 scale_result=sc.scale_result, out_dtype=sc.out_dtype, use_fast_accum=sc.use_fast_accum, out=out,
             )
         elif self.bias is None:
-            torch.mm(self.a, b, out=out)
+            torch.mm(a, b, out=out)
         else:
-            bias = self.bias.expand(self.out.shape)[:, cols]
-            torch.addmm(bias, self.a, b, beta=self.beta, alpha=self.alpha, out=out)
+            bias = select(self.bias.expand(self.out.shape))[:, cols]
+            torch.addmm(bias, a, b, beta=self.beta, alpha=self.alpha, out=out)
 
     def compute_all(self, out: torch.Tensor) -> None:
         assert self.a is not None and self.b is not None, "a gather consumer is issued by its gather"
@@ -444,8 +455,8 @@ class PendingSum(_Standalone):
     def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
         self._sum(lambda term, part: term.compute_rows(select, part), out)
 
-    def compute_cols(self, cols: slice, out: torch.Tensor) -> None:
-        self._sum(lambda term, part: term.compute_cols(cols, part), out)
+    def compute_cols(self, cols: slice, out: torch.Tensor, select: RowSelect = all_rows) -> None:
+        self._sum(lambda term, part: term.compute_cols(cols, part, select), out)
 
     def _sum(self, compute: Callable[[PendingMatmul, torch.Tensor], None], out: torch.Tensor) -> None:
         # Left to right, each product rounded on its own, as plain eager adds them.
@@ -456,7 +467,7 @@ class PendingSum(_Standalone):
             out.add_(part)
 
     def compute_all(self, out: torch.Tensor) -> None:
-        self.compute_rows(_all_rows, out)
+        self.compute_rows(all_rows, out)
 
     def inputs(self) -> list[torch.Tensor]:
         return [t for term in self.terms for t in term.inputs()]
@@ -484,8 +495,8 @@ class PendingCast(_Standalone):
     def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
         self._cast(lambda part: self.source.compute_rows(select, part), out)
 
-    def compute_cols(self, cols: slice, out: torch.Tensor) -> None:
-        self._cast(lambda part: self.source.compute_cols(cols, part), out)
+    def compute_cols(self, cols: slice, out: torch.Tensor, select: RowSelect = all_rows) -> None:
+        self._cast(lambda part: self.source.compute_cols(cols, part, select), out)
 
     def _cast(self, compute: Callable[[torch.Tensor], None], out: torch.Tensor) -> None:
         # In the source's dtype first, then cast: as plain eager rounds it.
@@ -494,7 +505,7 @@ class PendingCast(_Standalone):
         out.copy_(part)
 
     def compute_all(self, out: torch.Tensor) -> None:
-        self.compute_rows(_all_rows, out)
+        self.compute_rows(all_rows, out)
 
     def inputs(self) -> list[torch.Tensor]:
         return self.source.inputs()
@@ -502,8 +513,6 @@ class PendingCast(_Standalone):
 
 Product = PendingMatmul | PendingSum | PendingCast
 
-# select(t): the rows of t [M, X] that one chunk of a reduce-scatter needs.
-RowSelect = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _render_matmul(
@@ -526,10 +535,6 @@ def _render_matmul(
     if bias is not None:
         operands.insert(0, operand(bias, out_dtype))
     return f"${tid}: {operand(out, out_dtype)} = {op.__name__.split('.')[0]}({', '.join(operands)})"
-
-
-def _all_rows(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _python_refs(t: torch.Tensor) -> int:

@@ -285,28 +285,16 @@ class Engine:
             out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
         return out
 
-    def start_gather(
-        self,
-        shard: torch.Tensor,
-        group: dist.ProcessGroup,
-        out: torch.Tensor | None = None,
-        *,
-        all_reduce: CollectiveRecord | None = None,
-    ) -> torch.Tensor:
+    def start_gather(self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None) -> torch.Tensor:
         """Start the gather now and return its placeholder: ``out`` (contiguous,
-        gathered shape), the caller's output buffer, or a new one. With
-        ``all_reduce``, the gather is that fused all-reduce's second half and
-        shares its record (Note [Matmul + all-reduce])."""
+        gathered shape), the caller's output buffer, or a new one."""
         if self.store.touched([shard]) is not None:
             self.complete_owners([shard], "all_gather_into_tensor")
         shard = shard.contiguous()
         if out is None:
             out = self.placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
-        record = all_reduce or self.new_record("all_gather", shard, out, group)
-        gather = PendingGather(
-            shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work,
-            half_of_all_reduce=all_reduce is not None,
-        )
+        record = self.new_record("all_gather", shard, out, group)
+        gather = PendingGather(shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work)
         with self.issuing_work():
             if self.verify:
                 # NB: before the backend is chosen: symm_mem's first use of a
@@ -314,16 +302,24 @@ class Engine:
                 # in. Plain eager's result is gathered here, in program order on
                 # every rank, for the comparison when the gather completes.
                 _check_ranks_agree(gather_signature(shard), group)
-                gather.reference = torch.empty_like(out)
-                all_gather_consume(ReferenceBackend(), shard, None, gather.reference, group)
+                self._gather_reference(gather)
             backend, note = self.backend.for_collective(shard, group)
-            gather.backend = backend.name if note is None else f"{backend.name}; {note}"
-            if all_reduce is None:
-                record.backend = gather.backend
+            gather.backend = record.backend = backend.name if note is None else f"{backend.name}; {note}"
             gather.handle = backend.start_all_gather(shard, out, group)
-        self.store.add_gather(gather)
-        self.trace.event(f"${gather.tid}: {tensor_str(out)} = all_gather({tensor_str(shard)}, {record.group})")
+        self._add_gather(gather)
         return out
+
+    def _gather_reference(self, gather: PendingGather) -> None:
+        """Plain eager's gather of ``gather.shard``, for ``verify=True`` to compare
+        with when the gather completes."""
+        gather.reference = torch.empty_like(gather.out)
+        all_gather_consume(ReferenceBackend(), gather.shard, None, gather.reference, gather.group)
+
+    def _add_gather(self, gather: PendingGather) -> None:
+        self.store.add_gather(gather)
+        self.trace.event(
+            f"${gather.tid}: {tensor_str(gather.out)} = all_gather({tensor_str(gather.shard)}, {gather.record.group})"
+        )
 
     # -- matmuls -----------------------------------------------------------
 
@@ -685,22 +681,48 @@ class Engine:
         ``inp`` itself (``all_reduce_``, raw c10d), else a new tensor."""
         world = group.size()
         kind = f"all_reduce({reduce_op})"
-        found = self.store.standalone_output(inp) if self.store else None
-        why_not = self._why_not_all_reduce(found, inp, reduce_op, world, in_place)
-        if why_not is not None:
+        as_written = self._why_all_reduce_as_written(inp, reduce_op, world, in_place)
+        if as_written is not None:
             signature = f"{kind} of {tensor_str(inp)}"
-            return self.issue_as_is(func, args, kwargs, kind, inp, group, why_not, signature)
-        product, _ = found
-        self.store.remove(product)
+            return self.issue_as_is(func, args, kwargs, kind, inp, group, as_written, signature)
         result = inp if in_place else self.placeholder(inp, inp.shape)
-        rows = result.view(product.out.shape)  # [M, N], contiguous
+        rows = result.view(-1, result.shape[-1])  # [M, N]: a product's rows, whatever view it is reduced in
         m = rows.shape[0] // world
         shard = rows[group.rank() * m : (group.rank() + 1) * m]  # this rank's reduced rows
         record = self.new_record(kind, inp, result, group)
-        plan = ReduceScatterPlan(shard, reduce_op, group, record, product=product)
-        with _profiler_range("eagertp::matmul_all_reduce"):
-            label = self._run_scatter(plan)
-            self.start_gather(shard, group, rows, all_reduce=record)
+        found = self.store.standalone_output(inp) if self.store else None
+        why_not = self._why_not_fuse_all_reduce(found, shard, inp, in_place)
+        if why_not is None:
+            product, _ = found
+            self.store.remove(product)
+            plan = ReduceScatterPlan(shard, reduce_op, group, record, product=product)
+        else:
+            # NB: still the ring's messages (Invariant 2): a peer may fuse its own.
+            if self.store.touched([inp]) is not None:
+                self.complete_owners([inp], func)
+            # In place, the ring overwrites inp as it goes: verify's reference reads a copy.
+            src = inp.clone() if in_place and self.verify else inp.contiguous()
+            plan = ReduceScatterPlan(shard, reduce_op, group, record, inp=src.view(rows.shape))
+        # The gather half: a gather in flight into the result, sharing the record.
+        gather = PendingGather(
+            shard, rows, group, self.store.next_tid(), record, work_at_start=self.matmul_work, half_of_all_reduce=True
+        )
+        with _profiler_range(f"eagertp::{'matmul_' if plan.fused else ''}all_reduce"), self.issuing_work():
+            if self.verify:
+                _check_ranks_agree(f"{kind} of {tensor_str(rows)}", group)  # NB: before the backend is chosen
+            backend, note = self.backend.for_collective(shard, group)
+            gather.backend = backend.name if note is None else f"{backend.name}; {note}"
+            gather.handle = backend.start_all_reduce(plan.producer(), rows, group, reduce_op)
+            if self.verify:
+                for what, got, want, exact in plan.checks():  # this rank's reduced rows
+                    _check_equal(what, got, want, group, exact=exact)
+                self._gather_reference(gather)
+        self._add_gather(gather)
+        if not plan.fused:
+            self.stats["unfused_all_reduce"] += 1
+            self.trace.mark_unfused(record, why_not, gather.backend)
+            self.trace.event(f"all_reduce({reduce_op}, {record.src}) [{gather.backend}]")
+            return result
         if not in_place:
             # NB: as after a fused reduce-scatter, the product's own output
             # stays readable (computed in full only if read). In place, the
@@ -709,35 +731,38 @@ class Engine:
             self.store.add_product(product)
         self.matmul_work += 1
         self.stats["matmul_all_reduce"] += 1
-        self.trace.mark_fused(record, plan.fused_with(), label)
-        self.trace.event(f"matmul_all_reduce({reduce_op}, ${product.tid}) [{label}]")
+        self.trace.mark_fused(record, plan.fused_with(), gather.backend)
+        self.trace.event(f"matmul_all_reduce({reduce_op}, ${product.tid}) [{gather.backend}]")
         return result
 
-    def _why_not_all_reduce(
-        self,
-        found: tuple[Product, ScatterView | None] | None,
-        inp: torch.Tensor,
-        reduce_op: str,
-        world: int,
-        in_place: bool,
-    ) -> str | None:
-        """Why an all-reduce of ``inp`` is issued as written, if it is."""
+    def _why_all_reduce_as_written(self, inp: torch.Tensor, reduce_op: str, world: int, in_place: bool) -> str | None:
+        """Why an all-reduce of ``inp`` is issued as the program wrote it, if it
+        is: reasons that read shapes only, so that every rank decides alike."""
         if reduce_op not in REDUCE_OPS:
             return f"reduce_op {reduce_op!r} has no point-to-point implementation"
         too_small = self.backend.size_rule(inp.device.type, "all_reduce", inp.nbytes // world)
         if too_small is not None:
             return too_small
+        if inp.dim() < 2 or inp.numel() // inp.shape[-1] % world:
+            return f"the rows of {tensor_str(inp)} (all dims but the last) do not split over {world} ranks"
+        if in_place and not inp.is_contiguous():
+            return f"it reduces a non-contiguous {tensor_str(inp)} in place"
+        return None
+
+    def _why_not_fuse_all_reduce(
+        self,
+        found: tuple[Product, ScatterView | None] | None,
+        shard: torch.Tensor,
+        inp: torch.Tensor,
+        in_place: bool,
+    ) -> str | None:
+        """Why the ring all-reduce of ``inp`` cannot produce its chunks from a
+        pending product, if it cannot (then it copies them from ``inp``)."""
         if found is None or found[1] is not None:
             return "its input is not the pending output of a matmul"
-        product = found[0]
-        if product.out.shape[0] % world:
-            return (
-                f"the rows of the matmul output {tensor_str(product.out)} do not split "
-                f"over {world} ranks"
-            )
         if in_place and self.store.is_input(inp):
             return "pending work reads the tensor it overwrites"
-        return None
+        return _why_not_produce(found, shard)
 
     # -- collectives issued as written -------------------------------------
 

@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
-from eagertp.backends.base import ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer
+from eagertp.backends.base import ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer, chunk_rows
 from eagertp.backends.reference import ReferenceBackend
-from eagertp.deferred import GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView
+from eagertp.deferred import (
+    GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView, all_rows,
+)
 from eagertp.trace import CollectiveRecord
 
 aten = torch.ops.aten
@@ -277,21 +279,20 @@ class ReduceScatterPlan:
             return _copy_chunks(self.inp.view(self.group.size(), *self.out.shape))
         product, sv = self.product, self.scatter_view
         n = product.out.shape[1]
+        if sv is not None and sv.dim == len(sv.shape) - 1:
+            # Scattering the output's columns: chunk c is out[:, block c], made
+            # from B's columns (as torch's fused op does for the last dim).
+            block = n // sv.world
+
+            def produce_chunk(c: int, buf: torch.Tensor, select: RowSelect) -> None:
+                product.compute_cols(slice(c * block, (c + 1) * block), buf.view(-1, block), select)
+
+            return self._in_pieces(produce_chunk, block)
         if sv is None:
             m = self.out.numel() // n  # rows per chunk
 
             def select_for(c: int) -> RowSelect:
                 return lambda t: t[c * m : (c + 1) * m]
-
-        elif sv.dim == len(sv.shape) - 1:
-            # Scattering the output's columns: chunk c is out[:, block c], made
-            # from B's columns (as torch's fused op does for the last dim).
-            block = n // sv.world
-
-            def produce(c: int, buf: torch.Tensor) -> None:
-                product.compute_cols(slice(c * block, (c + 1) * block), buf.view(-1, block))
-
-            return produce
 
         else:
             # Chunk c holds the rows of out.view(sv.shape) whose index along
@@ -301,8 +302,29 @@ class ReduceScatterPlan:
             def select_for(c: int) -> RowSelect:
                 return lambda t: t.reshape(*lead, t.shape[-1]).narrow(sv.dim, c * block, block).reshape(-1, t.shape[-1])
 
-        def produce(c: int, buf: torch.Tensor) -> None:
-            product.compute_rows(select_for(c), buf.view(-1, n))
+        def produce_chunk(c: int, buf: torch.Tensor, select: RowSelect) -> None:
+            chunk = select_for(c)
+            product.compute_rows(lambda t: select(chunk(t)), buf.view(-1, n))
+
+        return self._in_pieces(produce_chunk, n)
+
+    def _in_pieces(self, produce_chunk: Callable[[int, torch.Tensor, RowSelect], None], width: int) -> ChunkProducer:
+        """The producer of rows ``rows`` of chunk c (``chunk_rows``: [-1, last
+        dim] of ``out``) from ``produce_chunk(c, buf, select)``, which computes
+        the product's rows ``select`` picks out of chunk c's, each ``width`` wide."""
+        flat = chunk_rows(self.out)
+        per_row, odd = divmod(flat.shape[1], width)  # product rows per row of flat
+
+        def produce(c: int, buf: torch.Tensor, rows: slice) -> None:
+            start, stop, _ = rows.indices(len(flat))
+            if (start, stop) == (0, len(flat)):
+                produce_chunk(c, buf, all_rows)
+            elif not odd:
+                produce_chunk(c, buf, lambda t: t[start * per_row : stop * per_row])
+            else:  # a row of out does not hold whole rows of the product: make the chunk, keep the piece
+                whole = torch.empty_like(flat)
+                produce_chunk(c, whole, all_rows)
+                buf.copy_(whole[rows])
 
         return produce
 
@@ -345,8 +367,9 @@ def scatter_signature(reduce_op: str, out: str) -> str:
 def _copy_chunks(chunks: torch.Tensor) -> ChunkProducer:
     """The producer of an unfused reduce-scatter: chunk c is a slice of the input."""
 
-    def copy_chunk(c: int, buf: torch.Tensor) -> None:
-        buf.copy_(chunks[c])
+    def copy_chunk(c: int, buf: torch.Tensor, rows: slice) -> None:
+        piece = chunk_rows(chunks[c])[rows]
+        buf.view(piece.shape).copy_(piece)
 
     return copy_chunk
 

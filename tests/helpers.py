@@ -81,17 +81,17 @@ class OpCounter(TorchDispatchMode):
 
 
 def with_small_pieces(rank, group, worker, *args):
-    """Run ``worker`` with the ring splitting every shard into up to 4 pieces of
-    one byte or more, so that small test shapes exercise the piecewise pipeline
-    and its consumers."""
+    """Run ``worker`` with the ring splitting every chunk of every collective
+    into up to 4 pieces of one byte or more, so that small test shapes exercise
+    the piecewise pipelines, their consumers and producers."""
     from eagertp.backends import ring
 
-    saved = ring.MAX_PIECES, ring.PIECE_MIN_BYTES
-    ring.MAX_PIECES, ring.PIECE_MIN_BYTES = 4, 1
+    saved = dict(ring.PIECES)
+    ring.PIECES.update({kind: (4, 1) for kind in ring.PIECES})
     try:
         return worker(rank, group, *args)
     finally:
-        ring.MAX_PIECES, ring.PIECE_MIN_BYTES = saved
+        ring.PIECES.update(saved)
 
 
 def _cpu_scaled_mm_takes_rowwise_scales() -> bool:

@@ -156,16 +156,46 @@ def _unfused_worker(rank, group, case):
 
 
 @pytest.mark.parametrize("case", ["embedding", "rows"])
-def test_unfused_all_reduce_is_issued_as_written_with_its_reason(pool, case):
+def test_unfused_all_reduce_explains_its_reason(pool, case):
+    """An input that is not a pending product still takes the ring's messages
+    (a peer may fuse its own: Invariant 2); rows that do not split over the
+    ranks are issued as written (every rank sees the same shapes)."""
     results = pool.run(_unfused_worker, 2, case)
     for r in results:
         assert r["ok"], r
         assert r["stats"] == {"unfused_all_reduce": 1}, r
-        assert r["plain_all_reduces"] == 1, r
+        if case == "embedding":
+            assert r["plain_all_reduces"] == 0 and r["p2p_ops"] > 0, r
+        else:
+            assert r["plain_all_reduces"] == 1 and r["p2p_ops"] == 0, r
     if case == "embedding":
-        assert_expected_inline(results[0]["explain"], """all_reduce(sum) #0 f32[4, 8] -> f32[4, 8] on group '2' (2 ranks): not fused: its input is not the pending output of a matmul""")
+        assert_expected_inline(results[0]["explain"], """all_reduce(sum) #0 f32[4, 8] -> f32[4, 8] on group '2' (2 ranks): not fused [ring]: its input is not the pending output of a matmul""")
     else:
-        assert_expected_inline(results[0]["explain"], """all_reduce(sum) #0 f32[3, 6] -> f32[3, 6] on group '2' (2 ranks): not fused: the rows of the matmul output f32[3, 6] do not split over 2 ranks""")
+        assert_expected_inline(results[0]["explain"], """all_reduce(sum) #0 f32[3, 6] -> f32[3, 6] on group '2' (2 ranks): not fused: the rows of f32[3, 6] (all dims but the last) do not split over 2 ranks""")
+
+
+def _read_first_worker(rank, group, backend_name):
+    """Rank 0 reads the product before all-reducing it (so it has nothing
+    pending to fuse), rank 1 fuses: both exchange the ring's messages."""
+    h = integer_tensor((8, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 6), torch.float32, seed=100 + rank)
+    expected = all_reduce(h @ w, group)
+    with OpCounter() as counter, EagerMicroPipeline(backend=backend_name) as pipe:
+        y = h @ w
+        if rank == 0:
+            y.sum()
+        got = all_reduce(y, group)
+    return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_ranks_that_fuse_differently_interoperate(pool, world, backend):
+    results = run_on(backend, pool, _read_first_worker, world, "auto")
+    for rank, r in enumerate(results):
+        assert r["ok"], r
+        assert r["stats"] == ({"unfused_all_reduce": 1} if rank == 0 else {"matmul_all_reduce": 1}), r
+        assert r["plain_all_reduces"] == 0, r
 
 
 def _megatron_worker(rank, group, async_op, backend_name):

@@ -117,15 +117,16 @@ def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(pool, tmp_p
         # One does not: the vocab-sharded embedding's forward (masked lookups
         # summed over ranks). And lm_head's output is all-gathered for the loss.
         assert r["eager_collectives"] == {"all_reduce": 16, "all_gather_into_tensor": 1}, r
-        # Every matmul all-reduce fused; the rest issued as written, each with its reason.
+        # Every matmul all-reduce fused; the other two unfused, each with its
+        # reason, on the ring too (a peer could have fused its own: Invariant 2).
         assert r["stats"] == {"matmul_all_reduce": 15, "unfused_all_reduce": 1, "unfused_all_gather": 1}, r
-        assert r["collectives"]["all_reduce"] == 1 and "all_gather_into_tensor" not in r["collectives"], r
+        assert "all_reduce" not in r["collectives"] and "all_gather_into_tensor" not in r["collectives"], r
         assert r["collectives"]["send"] > 0, r
         lines = r["explain"].splitlines()
         assert sum("fused with mm" in line for line in lines) == 15, r["explain"]
         unfused = [line for line in lines if "fused with" not in line]
         assert len(unfused) == 2, r["explain"]
         assert "all_reduce(sum) #0 f32[2, 8, 64]" in unfused[0], unfused
-        assert unfused[0].endswith("not fused: its input is not the pending output of a matmul"), unfused
+        assert unfused[0].endswith("not fused [ring]: its input is not the pending output of a matmul"), unfused
         assert unfused[1].startswith("all_gather #0 f32[2, 8, 32] -> f32[8, 8, 32]"), unfused
         assert "not fused [ring]: no matmul consumed it before aten._log_softmax.default" in unfused[1], unfused

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import OpCounter, all_gather, fusion_report, integer_tensor, with_small_pieces
+from helpers import OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter, with_small_pieces
 from test_all_gather_matmul import _assert_fused, _contract_worker, _gather_dim_worker, _linear_worker
 
 from eagertp import EagerMicroPipeline
@@ -20,10 +20,14 @@ WORLDS = [2, 4]
 
 def test_piece_rows_depend_on_shape_only():
     split = {"max_pieces": 4, "min_bytes": 64 * 1024}
-    assert piece_rows(torch.empty(1, 8), **split) == [slice(0, 1)]
-    assert piece_rows(torch.empty(1024, 1024), **split) == [slice(0, 256), slice(256, 512), slice(512, 768), slice(768, 1024)]
-    assert piece_rows(torch.empty(3, 8), **split) == [slice(0, 3)]  # 96 bytes: below the minimum piece
-    assert piece_rows(torch.empty(1024, 1024)) == [slice(0, 1024)]  # the default: one piece
+    assert piece_rows(torch.empty(1, 8), "all_gather", **split) == [slice(0, 1)]
+    assert piece_rows(torch.empty(1024, 1024), "all_gather", **split) == [
+        slice(0, 256), slice(256, 512), slice(512, 768), slice(768, 1024)
+    ]
+    assert piece_rows(torch.empty(3, 8), "all_gather", **split) == [slice(0, 3)]  # 96 bytes: below the minimum piece
+    # The defaults (Note [Pieces]): one piece of a gathered shard, up to 4 of an all-reduced chunk.
+    assert piece_rows(torch.empty(1024, 1024), "all_gather") == [slice(0, 1024)]
+    assert len(piece_rows(torch.empty(1024, 1024), "all_reduce")) == 4
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -90,3 +94,119 @@ def test_ranks_fusing_differently_in_pieces_interoperate(pool):
     assert r0["ok"] and r1["ok"]
     assert r0["stats"] == {"unfused_all_gather": 1}
     assert r1["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}
+
+
+# -- reduce-scatter and all-reduce in pieces (Note [Pieces]) ------------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(
+    "in_shape,scatter_dim",
+    [((8, 16), 0), ((4, 4, 8), 0), ((2, 8, 8), 1), ((4, 8, 8), 2)],
+    ids=["2d", "3d", "dim1", "columns"],
+)
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+def test_matmul_reduce_scatter_in_pieces(pool, world, in_shape, scatter_dim, reduce_op):
+    """Each chunk produced, sent and added piece by piece; the same bits as
+    plain eager. Scattering the columns makes the pieces from A's rows."""
+    from test_matmul_reduce_scatter import _rs_worker
+
+    args = (in_shape, 8, "f32", reduce_op, True, True, scatter_dim)
+    for r in pool.run(with_small_pieces, world, _rs_worker, *args):
+        assert torch.equal(r["got"], r["expected"])
+        assert r["stats"] == {"matmul_reduce_scatter": 1}, r
+        assert r["plain_reduce_scatters"] == 0
+        assert r["p2p_ops"] > 2 * (world - 1), "the chunks travelled in pieces"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("shape", [(8, 8), (2, 4, 8)], ids=["2d", "3d"])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["funcol", "in_place"])
+def test_matmul_all_reduce_in_pieces(pool, world, shape, reduce_op, in_place):
+    """On 2 ranks the reduced pieces go out as each is added (Note
+    [Interleaved all-reduce]); on 4 the ring's reduce-scatter, then its gather,
+    in pieces. A sum of two products, with bias: the same bits as plain eager."""
+    from test_all_reduce import _funcol_worker
+
+    for r in pool.run(with_small_pieces, world, _funcol_worker, reduce_op, in_place, shape, True, True):
+        assert r["ok"], r
+        assert r["stats"] == {"matmul_all_reduce": 1}, r
+        assert r["plain_all_reduces"] == 0
+        assert r["p2p_ops"] > 4 * (world - 1), "the chunks travelled in pieces"
+
+
+def _all_reduce_then_matmul_worker(rank, group, read_early):
+    """A matmul on the all-reduced tensor binds to its gather half and runs
+    as the peers' reduced pieces land; with ``read_early`` this rank reads the
+    result first instead (the gather alone): the same messages."""
+    from test_all_reduce import all_reduce
+
+    h = integer_tensor((8, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 8), torch.float32, seed=100 + rank)
+    w2 = integer_tensor((8, 4), torch.float32, seed=7)
+
+    def program():
+        y = all_reduce(h @ w, group)
+        if read_early:
+            y.sum()
+        return y @ w2
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_matmul_on_an_all_reduce_in_pieces(pool, world):
+    results = pool.run(with_small_pieces, world, _all_reduce_then_matmul_worker, False)
+    for r in results:
+        assert r["ok"], r
+        assert r["stats"] == {"matmul_all_reduce": 1, "all_gather_matmul": 1, "fused_matmuls": 1}, r
+
+
+def _mixed_all_reduce_worker(rank, group):
+    return _all_reduce_then_matmul_worker(rank, group, read_early=rank == 0)
+
+
+def test_ranks_reading_an_all_reduce_differently_in_pieces_interoperate(pool):
+    r0, r1 = pool.run(with_small_pieces, 2, _mixed_all_reduce_worker, timeout=30)
+    assert r0["ok"] and r1["ok"]
+    assert r0["stats"] == {"matmul_all_reduce": 1}, r0
+    assert r1["stats"] == {"matmul_all_reduce": 1, "all_gather_matmul": 1, "fused_matmuls": 1}, r1
+
+
+def _unfused_collectives_worker(rank, group, in_place_all_reduce):
+    """Collectives of tensors that are not pending products, 3-D: the ring's
+    copy producer, whole or in pieces."""
+    from test_all_reduce import all_reduce
+
+    x = integer_tensor((4, 2, 8), torch.float32, seed=rank)
+
+    def program():
+        if in_place_all_reduce:
+            y = x.clone()
+            torch.ops._c10d_functional.all_reduce_(y, "sum", group.group_name)
+            return torch.ops._c10d_functional.wait_tensor(y)
+        return reduce_scatter(x, group, "sum", 0), all_reduce(x, group)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": all(torch.equal(g, e) for g, e in zip(got, expected)), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["funcol", "in_place"])
+def test_unfused_collectives_copy_their_chunks(pool, world, pieces, in_place):
+    if pieces:
+        results = pool.run(with_small_pieces, world, _unfused_collectives_worker, in_place)
+    else:
+        results = pool.run(_unfused_collectives_worker, world, in_place)
+    for r in results:
+        assert r["ok"], r
+        expected = {"unfused_all_reduce": 1} if in_place else {"unfused_reduce_scatter": 1, "unfused_all_reduce": 1}
+        assert r["stats"] == expected, r
+        assert r["p2p_ops"] > 0 and r["plain_reduce_scatters"] == 0, r

@@ -16,7 +16,7 @@ rank's chunk, called when the backend needs it::
     produce_reduce_scatter(producer, out, group, reduce_op)
 
         for dst in range(group.size()):              # in whatever order the backend needs
-            producer(dst, buf[dst])
+            producer(dst, buf[dst], rows)        # whole, or in pieces of rows
         out = reduce(buf[rank] over all ranks)       # sum, avg, max, min, product
 
 ``consumer`` may be ``None`` (the gather alone). Calls to one consumer may

@@ -35,9 +35,18 @@ class OrderedConsumer:
         self.fn(piece, src, rows)
 
 
-# producer(dst_rank, buf): writes into buf this rank's contribution to the chunk
-# that rank dst_rank keeps after the reduce-scatter.
-ChunkProducer = Callable[[int, torch.Tensor], None]
+# producer(dst_rank, buf, rows): writes into buf this rank's contribution to
+# the chunk that rank dst_rank keeps after the reduce-scatter: the whole chunk
+# (rows = ALL_ROWS, buf of any shape holding it), or rows `rows` of it viewed
+# as [-1, its last dim] (`chunk_rows`), buf holding exactly those rows. A
+# backend may produce a chunk whole or in pieces, each once.
+ChunkProducer = Callable[[int, torch.Tensor, slice], None]
+ALL_ROWS = slice(None)
+
+
+def chunk_rows(chunk: torch.Tensor) -> torch.Tensor:
+    """A contiguous chunk as the rows a producer's pieces count: [-1, last dim]."""
+    return chunk.view(-1, chunk.shape[-1]) if chunk.dim() > 1 else chunk.view(1, -1)
 
 
 class GatherHandle(Protocol):
@@ -99,6 +108,16 @@ class Backend(Protocol):
         after them."""
         ...
 
+    def start_all_reduce(
+        self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+    ) -> GatherHandle:
+        """Start ``out = all_reduce(product)``, the product made by ``producer``
+        (chunk c: rows ``c*m:(c+1)*m`` of ``out``): on return this rank's chunk
+        of ``out`` holds its reduced rows; the handle is the gather of every
+        rank's reduced rows into ``out``, in flight. ``reduce_scatter_then_gather``
+        is the plain composition of the two calls above."""
+        ...
+
 
 def all_gather_consume(
     backend: Backend,
@@ -109,6 +128,17 @@ def all_gather_consume(
 ) -> None:
     """Start an all-gather and consume it at once: the whole collective, blocking."""
     backend.start_all_gather(shard, ag_out, group).consume(consumer)
+
+
+def reduce_scatter_then_gather(
+    backend: Backend, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+) -> GatherHandle:
+    """``Backend.start_all_reduce`` as its two halves: the reduce-scatter into
+    this rank's rows of ``out``, then the gather of those rows started."""
+    m = out.shape[0] // group.size()
+    shard = out[group.rank() * m : (group.rank() + 1) * m]
+    backend.produce_reduce_scatter(producer, shard, group, reduce_op)
+    return backend.start_all_gather(shard, out, group)
 
 
 def consume_in_order(consumer: ChunkConsumer | None, chunks: torch.Tensor) -> None:

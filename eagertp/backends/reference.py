@@ -7,12 +7,14 @@ import torch.distributed as dist
 
 from eagertp._compat import all_gather_single, reduce_scatter_single
 from eagertp.backends.base import (
+    ALL_ROWS,
     REDUCE_OPS,
     ChunkConsumer,
     ChunkProducer,
     check_gather_buffers,
-    consume_in_order,
     check_scatter_buffers,
+    consume_in_order,
+    reduce_scatter_then_gather,
 )
 
 
@@ -43,10 +45,16 @@ class ReferenceBackend:
         world = group.size()
         full = out.new_empty((world * out.shape[0], *out.shape[1:]))
         for dst, chunk in enumerate(full.view(world, *out.shape)):
-            producer(dst, chunk)
+            producer(dst, chunk, ALL_ROWS)
         reduce_scatter_single(out, full, op=REDUCE_OPS[reduce_op], group=group)
         if reduce_op == "avg":
             out.div_(world)
+
+
+    def start_all_reduce(
+        self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+    ) -> _AsyncGather:
+        return reduce_scatter_then_gather(self, producer, out, group, reduce_op)
 
 
 class _AsyncGather:

@@ -65,11 +65,15 @@ import torch.distributed as dist
 
 from eagertp._format import tensor_str
 from eagertp.backends.base import (
+    ALL_ROWS,
     ChunkConsumer,
     ChunkProducer,
+    GatherHandle,
     check_gather_buffers,
     check_scatter_buffers,
+    chunk_rows,
     peer_transfer,
+    reduce_scatter_then_gather,
     wait_for_peer,
 )
 
@@ -96,34 +100,29 @@ class RingBackend:
     ) -> None:
         check_scatter_buffers(out, reduce_op)
         world, rank = group.size(), group.rank()
-        combine = _COMBINE[reduce_op]
         if world == 1 or out.numel() == 0:
-            producer(rank, out)
+            producer(rank, out, ALL_ROWS)
         else:
-            send_to, recv_from = (rank + 1) % world, (rank - 1) % world
             what = f"reduce_scatter({reduce_op}) -> {tensor_str(out)}"
-            send_buf, recv_buf = torch.empty_like(out), torch.empty_like(out)
-            spare = torch.empty_like(out) if world > 2 else None
-            producer((rank - 1) % world, send_buf)
-            with peer_transfer(what, group, send_to):
-                send = _isend(send_buf, group, send_to)
-            for step in range(1, world):
-                last = step == world - 1
-                with peer_transfer(what, group, recv_from):
-                    recv = _irecv(recv_buf, group, recv_from)
-                acc = out if last else spare
-                # This rank's share of chunk c overlaps the transfer of the partial sum of c.
-                producer((rank - step - 1) % world, acc)
-                wait_for_peer(recv, what, group, recv_from)  # Note [Waiting on a peer]
-                combine(acc, recv_buf)
-                if not last:
-                    wait_for_peer(send, what, group, send_to)  # send_buf is free again
-                    send_buf, spare = acc, send_buf
-                    with peer_transfer(what, group, send_to):
-                        send = _isend(send_buf, group, send_to)
-            wait_for_peer(send, what, group, send_to)
+            rows = chunk_rows(out)  # pieces are rows of it, whatever out's dims (ChunkProducer)
+            _Links(group, what).reduce_scatter(producer, rows, reduce_op, piece_rows(rows, "reduce_scatter"))
         if reduce_op == "avg":
             out.div_(world)
+
+    def start_all_reduce(
+        self,
+        producer: ChunkProducer,
+        out: torch.Tensor,
+        group: dist.ProcessGroup,
+        reduce_op: str,
+    ) -> GatherHandle:
+        """On 2 ranks, the two halves interleaved (Note [Interleaved
+        all-reduce]); on more, the reduce-scatter ring, then the gather of the
+        reduced shard started."""
+        if group.size() != 2 or out.numel() == 0:
+            return reduce_scatter_then_gather(self, producer, out, group, reduce_op)
+        check_scatter_buffers(out, reduce_op)
+        return _InterleavedAllReduce(producer, out, group, reduce_op)
 
 
 class _P2PGather:
@@ -135,7 +134,7 @@ class _P2PGather:
         self._what = f"all_gather of {tensor_str(shard)}"
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
-        rows = piece_rows(shard)  # the same on every rank: shapes only
+        rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
         # (the ring's order, so that sums over chunks add as they always have).
         sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
@@ -211,7 +210,7 @@ class _ThreadedRing:
         self._what = f"all_gather of {tensor_str(shard)}"
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
-        rows = piece_rows(shard)  # the same on every rank: shapes only
+        rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         sources = [(rank - step) % world for step in range(1, world)]
         # Piece p: rows of shard sources[p // len(rows)], in the order they land.
         self._pieces = [(src, r) for src in sources for r in rows]
@@ -291,6 +290,143 @@ class _ThreadedRing:
         return all(event.is_set() for event in self._landed)
 
 
+class _Links:
+    """Point-to-point messages of one collective to the next rank and from the
+    previous one, each post and wait naming the collective if it fails."""
+
+    def __init__(self, group: dist.ProcessGroup, what: str) -> None:
+        world, rank = group.size(), group.rank()
+        self.group, self.what = group, what
+        self.send_to, self.recv_from = (rank + 1) % world, (rank - 1) % world
+
+    def isend(self, t: torch.Tensor) -> dist.Work:
+        with peer_transfer(self.what, self.group, self.send_to):
+            return _isend(t, self.group, self.send_to)
+
+    def irecv(self, t: torch.Tensor) -> dist.Work:
+        with peer_transfer(self.what, self.group, self.recv_from):
+            return _irecv(t, self.group, self.recv_from)
+
+    def wait_sent(self, works: list[dist.Work]) -> None:
+        for work in works:
+            wait_for_peer(work, self.what, self.group, self.send_to)  # Note [Waiting on a peer]
+
+    def wait_received(self, work: dist.Work) -> None:
+        wait_for_peer(work, self.what, self.group, self.recv_from)
+
+    def reduce_scatter(
+        self, producer: ChunkProducer, out: torch.Tensor, reduce_op: str, rows: list[slice]
+    ) -> None:
+        """The ring of partial sums (module docstring), each chunk produced,
+        combined and sent on in pieces ``rows``; leaves ``out`` reduced (not yet
+        divided for avg)."""
+        world, rank = self.group.size(), self.group.rank()
+        combine = _COMBINE[reduce_op]
+        send_buf, recv_buf = torch.empty_like(out), torch.empty_like(out)
+        spare = torch.empty_like(out) if world > 2 else None
+        sends = []
+        for r in rows:  # each piece goes out as soon as it is made
+            producer((rank - 1) % world, send_buf[r], r)
+            sends.append(self.isend(send_buf[r]))
+        for step in range(1, world):
+            last = step == world - 1
+            recvs = [self.irecv(recv_buf[r]) for r in rows]
+            acc = out if last else spare
+            forwards = []
+            for r, recv in zip(rows, recvs):
+                # This rank's share of chunk c overlaps the transfer of the partial sum of c.
+                producer((rank - step - 1) % world, acc[r], r)
+                self.wait_received(recv)
+                combine(acc[r], recv_buf[r])
+                if not last:
+                    forwards.append(self.isend(acc[r]))
+            if not last:
+                self.wait_sent(sends)  # send_buf is free again
+                send_buf, spare, sends = acc, send_buf, forwards
+        self.wait_sent(sends)  # NB: once: a gloo Work waited twice waits for another message
+
+
+# Note [Interleaved all-reduce]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A matmul + all-reduce on 2 ranks run as its reduce-scatter, then the gather
+# of the reduced shard, leaves the link idle while this rank computes its own
+# chunk and the peer's partial of it arrives, then sends the reduced chunk only
+# once the whole reduce-scatter is done. Interleaved, each piece of this rank's
+# chunk goes out to the peer as soon as it is reduced, while the next piece is
+# computed: the link carries the reduce-scatter's bytes, then the gather's,
+# with no gap. Rank 0, chunks in 2 pieces (``P[c][j]``: this rank's product
+# rows of chunk c, piece j; ``R[c][j]``: reduced)::
+#
+#     compute: [P[1][0]][P[1][1]][P[0][0]][+][P[0][1]][+]
+#     send:           [P[1][0]][P[1][1]]   [R[0][0]]   [R[0][1]]
+#     receive:        [P from 1 ......][R[1][0] ...][R[1][1] ...]   -> consume
+#
+# Every element is still reduced once, by its owner, as out[0] = P[0] + the
+# peer's partial (the reduce-scatter's order), then copied. The messages are
+# the same whatever the producer or the consumer (Invariant 2): partial pieces,
+# then reduced pieces, in the pieces ``piece_rows(chunk, "all_reduce")`` makes
+# of the shapes alone. A consumer of the result binds to the returned handle
+# as to any gather in flight; the reduced pieces were posted to be received at
+# the start.
+
+
+class _InterleavedAllReduce:
+    """``out = all_reduce(product)`` on 2 ranks, started: on return this rank's
+    chunk of ``out`` is reduced and on its way to the peer, the peer's reduced
+    chunk is arriving into ``out`` (Note [Interleaved all-reduce])."""
+
+    def __init__(self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> None:
+        rank = group.rank()
+        self._rank, self._peer = rank, 1 - rank
+        self._links = links = _Links(group, f"all_reduce({reduce_op}) of {tensor_str(out)}")
+        self._chunks = chunks = out.view(2, out.shape[0] // 2, *out.shape[1:])
+        own, peer = chunks[rank], chunks[self._peer]
+        self._rows = rows = piece_rows(own, "all_reduce")
+        combine = _COMBINE[reduce_op]
+        partial, sent = torch.empty_like(own), torch.empty_like(own)
+        # NB: both receives posted first, in the order the peer sends: its
+        # partial sums of this rank's chunk, then its reduced chunk.
+        partials = [links.irecv(partial[r]) for r in rows]
+        self._reduced = [links.irecv(peer[r]) for r in rows]
+        self._sends = []
+        for r in rows:
+            producer(self._peer, sent[r], r)
+            self._sends.append(links.isend(sent[r]))
+        for r, recv in zip(rows, partials):
+            producer(rank, own[r], r)
+            links.wait_received(recv)
+            combine(own[r], partial[r])
+            if reduce_op == "avg":
+                own[r].div_(2)
+            self._sends.append(links.isend(own[r]))
+        self._partial_bufs = (partial, sent)  # NB: the sends read `sent` until they complete
+        self._received = [False] * len(rows)
+
+    def _wait_piece(self, i: int) -> None:
+        if not self._received[i]:
+            self._links.wait_received(self._reduced[i])
+            self._received[i] = True
+
+    def wait_chunk(self, src: int) -> None:
+        if src != self._rank:
+            for i in range(len(self._rows)):
+                self._wait_piece(i)
+
+    def consume(self, consumer: ChunkConsumer | None) -> None:
+        chunks = self._chunks
+        if consumer is not None:
+            consumer(chunks[self._rank], self._rank, slice(0, chunks.shape[1]))
+        for i, r in enumerate(self._rows):
+            self._wait_piece(i)
+            if consumer is not None:
+                consumer(chunks[self._peer][r], self._peer, r)
+        self._links.wait_sent(self._sends)
+        self._sends, self._reduced, self._partial_bufs = [], [], ()
+
+    def landed(self) -> bool | None:
+        return None  # as _P2PGather on gloo: a receive completes only in wait()
+
+
 # Note [Who drives the ring]
 # Between a gather's start and its consume the program runs on, so a helper
 # thread forwards each piece as it lands. Once consume() reaches a piece that
@@ -330,21 +466,31 @@ def _mul(acc: torch.Tensor, other: torch.Tensor) -> None:
 _COMBINE = {"sum": _add, "avg": _add, "max": _max, "min": _min, "product": _mul}
 
 
-# A shard may travel in up to MAX_PIECES pieces of at least PIECE_MIN_BYTES, so
-# that the consumer of one piece overlaps the transfer of the next. Measured on
-# 2 CPU ranks over gloo (benchmarks/NOTES.md), 4 pieces did not beat 1: the
-# copies and the matmuls share the same cores. One piece until measured on GPUs.
-MAX_PIECES = 1
-PIECE_MIN_BYTES = 64 * 1024
+# Note [Pieces]
+# A chunk may travel in up to PIECES[kind][0] pieces of at least PIECES[kind][1]
+# bytes, so that the matmul of one piece overlaps the transfer of the next
+# (all-gather: its consumer; reduce-scatter and all-reduce: its producer, and
+# the all-reduce's reduced pieces go on as each is added). The rule reads the
+# chunk's shape and dtype only: every rank must split alike (Invariant 2), and
+# an all-gather starts before its consumers are known. Measured on 2 CPU ranks
+# over gloo against hand-written schedules (benchmarks/NOTES.md).
+PIECES: dict[str, tuple[int, int]] = {
+    "all_gather": (1, 64 << 10),
+    "reduce_scatter": (1, 64 << 10),
+    "all_reduce": (4, 256 << 10),
+}
 
 
-def piece_rows(shard: torch.Tensor, max_pieces: int | None = None, min_bytes: int | None = None) -> list[slice]:
-    """How a shard is split along dim 0 for the ring: a function of its shape
-    and dtype only, so that every rank exchanges the same messages."""
-    max_pieces = MAX_PIECES if max_pieces is None else max_pieces
-    min_bytes = PIECE_MIN_BYTES if min_bytes is None else min_bytes
-    n_rows = shard.shape[0]
-    nbytes = shard.numel() * shard.element_size()
+def piece_rows(
+    chunk: torch.Tensor, kind: str, max_pieces: int | None = None, min_bytes: int | None = None
+) -> list[slice]:
+    """How one chunk of a ``kind`` collective is split along dim 0 for the
+    ring (Note [Pieces]): a function of its shape and dtype only."""
+    default_max, default_min = PIECES[kind]
+    max_pieces = default_max if max_pieces is None else max_pieces
+    min_bytes = default_min if min_bytes is None else min_bytes
+    n_rows = chunk.shape[0] if chunk.dim() else 1
+    nbytes = chunk.numel() * chunk.element_size()
     pieces = max(1, min(max_pieces, n_rows, nbytes // max(min_bytes, 1)))
     bounds = [i * n_rows // pieces for i in range(pieces + 1)]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]

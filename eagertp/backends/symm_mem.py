@@ -40,7 +40,14 @@ import torch
 import torch.distributed as dist
 
 from eagertp._format import group_str, tensor_str
-from eagertp.backends.base import ChunkConsumer, ChunkProducer, check_gather_buffers, check_scatter_buffers
+from eagertp.backends.base import (
+    ALL_ROWS,
+    ChunkConsumer,
+    ChunkProducer,
+    check_gather_buffers,
+    check_scatter_buffers,
+    reduce_scatter_then_gather,
+)
 
 # What this backend uses of torch.distributed._symmetric_memory.
 _TORCH_NAMES = ("_pipelined_produce_and_all2all", "get_symm_mem_workspace", "_group_name_to_workspace_tensor")
@@ -256,9 +263,18 @@ class SymmMemBackend:
             _wait_for_gathers(current, group, out.device)
             _workspace(group, 2 * out.numel() * out.element_size(), current)  # the size torch asks for
             _symm_mem_module()._pipelined_produce_and_all2all(
-                producer, stacked.view(world * out.shape[0], *out.shape[1:]), group.group_name
+                lambda dst, buf: producer(dst, buf, ALL_ROWS),  # torch's chunking: whole chunks
+                stacked.view(world * out.shape[0], *out.shape[1:]),
+                group.group_name,
             )
         _REDUCE[reduce_op](stacked, out)
+
+    def start_all_reduce(
+        self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+    ) -> SymmMemGather:
+        """torch's pipelined reduce-scatter, then the gather of the reduced rows
+        enqueued on the comm stream."""
+        return reduce_scatter_then_gather(self, producer, out, group, reduce_op)
 
 
 def _start_gather(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> SymmMemGather:
