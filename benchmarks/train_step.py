@@ -1,5 +1,6 @@
 """A DTensor tensor + sequence parallel transformer training step: unfused
-eager against eagertp, timed in the same run.
+eager against eagertp and against the bound (the same step with no
+communication), timed in the same run.
 
     python benchmarks/train_step.py                    # 2 CPU ranks, plain loopback
     python benchmarks/train_step.py --link-rate 2gbit  # wire-limited loopback
@@ -11,14 +12,88 @@ replicated), whose collectives are all-reduces (matmul + all-reduce fused). Each
 forward + backward; the optimizer step is outside the timed region. CUDA and a
 torch.compile peer (Inductor's micro-pipeline TP) are not measured here yet:
 the CPU machines this runs on have neither a GPU nor symmetric memory.
+
+The bound runs the step under ``_NoCommunication``, which replaces every
+collective DTensor issues with a local op of the same output shape and dtype
+(all-gather: the shard repeated; reduce-scatter: a copy of this rank's chunk;
+all-reduce: the input), so the step keeps its compute and memory traffic but
+sends nothing. No overlap can beat it; ``hidden`` is the share of the
+communication time eagertp removes from the step:
+
+    hidden = (t_unfused - t_fused) / (t_unfused - t_bound)
+
+Its values differ from the real step's (partial sums are not summed), which
+does not matter for timing: they are copies of real data, never uninitialised
+memory that could hold NaN or inf and slow the matmuls down.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 import _harness
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _group_rank(group_name) -> int:
+    group = group_name if isinstance(group_name, dist.ProcessGroup) else c10d._resolve_process_group(group_name)
+    return group.rank()
+
+
+# What each collective becomes in the bound: a local op of the same output
+# shape and dtype over real data (never uninitialised memory: NaN or inf would
+# slow the matmuls), as cheap as the output allows.
+_LOCAL_STAND_INS = {
+    # [rows, ...] -> [world * rows, ...]: the shard repeated
+    "all_gather_into_tensor": lambda shard, world, group_name: shard.repeat(world, *[1] * (shard.dim() - 1)),
+    # [world * rows, ...] -> [rows, ...]: this rank's chunk, unreduced
+    "reduce_scatter_tensor": lambda full, op, world, group_name: full.chunk(world)[_group_rank(group_name)].clone(),
+    "all_reduce": lambda t, op, group_name: t.clone(),
+    "all_reduce_": lambda t, op, group_name: t,
+    "wait_tensor": lambda t: t,
+}
+
+
+class _NoCommunication:
+    """While entered, funcol's collectives (all DTensor issues here) run as
+    the local stand-ins above: the step with its communication removed.
+
+    NB: kernels registered for CPU, not a TorchDispatchMode: a Python mode
+    would add its own per-op overhead to every op of the step (measured: more
+    than the communication it removes on loopback), and the bound would no
+    longer bound anything. Leaving removes the registrations, which restores
+    the real kernels. ``_OnlyStandIns`` checks once that nothing else
+    communicates.
+    """
+
+    def __enter__(self) -> _NoCommunication:
+        self._lib = torch.library.Library("_c10d_functional", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "overriding a previously registered kernel"
+            for name, stand_in in _LOCAL_STAND_INS.items():
+                self._lib.impl(name, stand_in, "CPU")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lib._destroy()
+        del self._lib
+
+
+class _OnlyStandIns(TorchDispatchMode):
+    """Fails on a communication op the bound has no stand-in for (raw c10d, or
+    another funcol collective): the bound would include its time."""
+
+    _KNOWN = frozenset(_LOCAL_STAND_INS) | {"_wrap_tensor_autograd"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional") and func._opname not in self._KNOWN:
+            raise NotImplementedError(f"the bound has no local stand-in for {func}: add one to _LOCAL_STAND_INS")
+        return func(*args, **(kwargs or {}))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,15 +131,25 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     x = local_input(torch.randn(args.batch, args.seq, args.dim, generator=g), args.sequence_parallel, rank, world)
 
-    def step(context) -> None:
+    def step(context) -> torch.Tensor:
         with context:
-            F.mse_loss(model(x), torch.zeros_like(x)).backward()
+            loss = F.mse_loss(model(x), torch.zeros_like(x))
+            loss.backward()
         for p in model.parameters():
             p.grad = None
+        return loss.detach()
 
+    with _OnlyStandIns():
+        loss = step(_NoCommunication())
+    if not torch.isfinite(loss.full_tensor() if hasattr(loss, "full_tensor") else loss):
+        raise RuntimeError(f"the bound's step computed a loss of {loss}: its stand-ins must keep values finite")
     pipe = EagerMicroPipeline(backend=args.backend)
     t = _harness.time_interleaved(
-        {"t_unfused": lambda: step(contextlib.nullcontext()), "t_fused": lambda: step(pipe)},
+        {
+            "t_unfused": lambda: step(contextlib.nullcontext()),
+            "t_fused": lambda: step(pipe),
+            "t_bound": lambda: step(_NoCommunication()),
+        },
         group,
         repeats=args.repeats,
         warmup=args.warmup,
@@ -105,6 +190,13 @@ def main(argv=None) -> int:
         f"  eagertp        {r['t_fused'] * 1e3:8.1f} ms   ({r['t_unfused'] / r['t_fused']:.2f}x; "
         f"{r['fused_ops_per_step']} fused, {r['unfused_ops_per_step']} unfused collectives per step)"
     )
+    print(f"  bound (no communication)  {r['t_bound'] * 1e3:8.1f} ms")
+    exposed = r["t_unfused"] - r["t_bound"]
+    r["hidden"] = (r["t_unfused"] - r["t_fused"]) / exposed if exposed > 0 else None
+    if r["hidden"] is None:
+        print("  hidden: undefined (unfused is no slower than the bound: no exposed communication measured)")
+    else:
+        print(f"  hidden: (unfused - eagertp) / (unfused - bound) = {r['hidden']:.2f} of the exposed communication")
     _harness.write_json(args.json, r)
     return 0
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
-from helpers import OpCounter, fusion_report, integer_tensor
+from helpers import ROWWISE_SCALES, OpCounter, fusion_report, integer_tensor
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -298,5 +298,149 @@ def test_dtensor_tp_without_sequence_parallel(pool, world, bias):
     for r in pool.run(_dtensor_worker, world, bias):
         assert all(r["ok"]), r
         assert r["stats"].get("matmul_all_reduce") == 2, r  # forward output, backward input gradient
+        assert "unfused_all_reduce" not in r["stats"], r
+        assert r["plain_all_reduces"] == 0 and r["p2p_ops"] > 0, r
+
+
+def _avg_worker(rank, group, dtype_name):
+    from helpers import DTYPES
+
+    dtype = DTYPES[dtype_name]
+    # |values| <= 32 per rank, <= 128 summed: exact in bf16 in any order
+    h = integer_tensor((8, 8), dtype, seed=rank).clamp(-2, 2)
+    w = integer_tensor((6, 8), dtype, seed=100 + rank).clamp(-2, 2)
+
+    def program():
+        return all_reduce(F.linear(h, w), group, "avg")
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_avg_all_reduce_of_a_matmul_fuses(pool, world, dtype, backend):
+    """funcol's "avg" (plain eager on gloo runs it too): the fused ring sums and
+    divides by the world size at the end, a power of two: exact on integers."""
+    for r in run_on(backend, pool, _avg_worker, world, dtype):
+        assert r["ok"], r
+        _assert_fused(r, {"matmul_all_reduce": 1}, backend)
+
+
+def _scaled_mm_worker(rank, group, scales, out_dtype_name):
+    """FP8 row-parallel linear without SP: all_reduce(_scaled_mm(a, w, ...)).
+    Integers in [-1, 1], exact in float8_e4m3fn; shapes multiples of 16 (see
+    tests/test_scaled.py). |values| <= 16 * 4 (scales) per rank, <= 256
+    summed over 4 ranks: exact in bf16 too."""
+    from test_scaled import FP8, _col_major, _scales
+
+    out_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[out_dtype_name]
+    a = integer_tensor((32, 16), torch.float32, seed=rank).clamp(-1, 1).to(FP8)
+    w = _col_major(integer_tensor((16, 16), torch.float32, seed=80 + rank).clamp(-1, 1).to(FP8))
+    scale_a, scale_b = _scales(scales, 32, 16, seed=90 + rank)
+
+    def program():
+        return all_reduce(torch._scaled_mm(a, w, scale_a, scale_b, out_dtype=out_dtype), group)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), "dtype": str(got.dtype), **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("scales", ["tensorwise", ROWWISE_SCALES])
+@pytest.mark.parametrize("out_dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_scaled_mm_all_reduce_fuses(pool, world, scales, out_dtype, backend):
+    for r in run_on(backend, pool, _scaled_mm_worker, world, scales, out_dtype):
+        assert r["ok"], r
+        _assert_fused(r, {"matmul_all_reduce": 1}, backend)
+
+
+def _cast_worker(rank, group, dtype_name):
+    """A half-precision cast of a float32 matmul output, all-reduced: the cast
+    is produced chunk by chunk (computed in float32, then cast, as plain eager
+    rounds it). |values| <= 32 per rank and <= 128 summed: exact in bf16/fp16."""
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype_name]
+    h = integer_tensor((8, 8), torch.float32, seed=rank).clamp(-2, 2)
+    w = integer_tensor((6, 8), torch.float32, seed=100 + rank).clamp(-2, 2)
+
+    def program():
+        return all_reduce(F.linear(h, w).to(dtype), group)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected) and got.dtype == dtype, **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_all_reduce_of_a_cast_matmul_output_fuses(pool, world, dtype, backend):
+    for r in run_on(backend, pool, _cast_worker, world, dtype):
+        assert r["ok"], r
+        _assert_fused(r, {"matmul_all_reduce": 1}, backend)
+
+
+def _autocast_worker(rank, group):
+    """Megatron-style TP MLP without SP under autocast (mirrors the
+    reduce-scatter file's autocast test): forward, the bf16 row-parallel output
+    is all-reduced; backward, the bf16 input gradient is cast to float32 (the
+    backward of autocast's cast of x) before its all-reduce: a cast producer."""
+
+    class CopyToTP(torch.autograd.Function):  # identity forward, all-reduce backward
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return all_reduce(grad, group)
+
+    class ReduceFromTP(torch.autograd.Function):  # all-reduce forward, identity backward
+        @staticmethod
+        def forward(ctx, x):
+            return all_reduce(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    x0 = integer_tensor((8, 8), torch.float32, seed=0)  # replicated input
+    w1 = integer_tensor((8, 8), torch.float32, seed=10 + rank)  # column shard
+    w2 = integer_tensor((8, 8), torch.float32, seed=20 + rank)  # row shard
+
+    def step(ctx):
+        x, p1, p2 = (t.clone().requires_grad_() for t in (x0, w1, w2))
+        with torch.autocast("cpu", dtype=torch.bfloat16), ctx:
+            h = F.linear(CopyToTP.apply(x), p1)
+            y = ReduceFromTP.apply(F.linear(h, p2))
+            y.float().pow(2).sum().backward()
+        return [y.detach(), x.grad, p1.grad, p2.grad]
+
+    expected = step(contextlib.nullcontext())
+    pipe, counter = EagerMicroPipeline(), OpCounter()
+    with counter:
+        got = step(pipe)
+    return {
+        "ok": [torch.equal(g, e) for g, e in zip(got, expected)],
+        "dtypes": [str(g.dtype) for g in got],
+        "trace": pipe.debug_string(),
+        **_report(pipe, counter),
+    }
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_autocast_cast_of_a_product_all_reduce_fuses(pool, world):
+    for r in pool.run(_autocast_worker, world):
+        assert all(r["ok"]), r
+        assert r["dtypes"][:2] == ["torch.bfloat16", "torch.float32"], r
+        # forward: the bf16 output's all-reduce; backward: the float32 cast of the input gradient's
+        assert r["stats"].get("matmul_all_reduce") == 2, r
         assert "unfused_all_reduce" not in r["stats"], r
         assert r["plain_all_reduces"] == 0 and r["p2p_ops"] > 0, r
