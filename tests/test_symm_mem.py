@@ -247,8 +247,8 @@ def _scatter_between_worker(rank, group, skip_wait):
     w = integer_tensor((8, 3), torch.float32, seed=9)
     y, out = torch.empty(4 * world, 3), torch.empty(2, 8)
 
-    def producer(dst, buf):
-        buf.copy_(inputs[rank][2 * dst : 2 * dst + 2])
+    def producer(dst, buf, rows):  # symm_mem asks for whole chunks (rows: every row)
+        buf.copy_(inputs[rank][2 * dst : 2 * dst + 2][rows])
 
     saved = symm_mem._wait_for_gathers
     if skip_wait:
