@@ -640,13 +640,14 @@ class Engine:
     #     C = mm(A, B)                          # or addmm, _scaled_mm, a sum of them, their cast
     #     C = all_reduce(C, op, group)          # funcol, all_reduce_, dist.all_reduce
     #
-    # into its two halves, both started at the program point:
+    # into its two halves, both started at the program point by one backend
+    # call (``Backend.start_all_reduce``), with the result viewed as rows [M, N]:
     #
     #     shard = reduce_scatter(C, op)         # produced chunk by chunk: ReduceScatterPlan
     #                                           # with C's product as producer, written into
     #                                           # rows [rank*m, (rank+1)*m) of the result
-    #     result = all_gather(shard)            # started at once (start_gather): a gather
-    #                                           # in flight into the result itself
+    #     result = all_gather(shard)            # started at once: a gather in flight into
+    #                                           # the result itself
     #
     # Each element is reduced once, by the rank that owns its rows, then copied
     # to every rank: all ranks hold the same bits. The gather half is a gather
@@ -659,10 +660,15 @@ class Engine:
     #     comm:                [ send P[1] ][ recv ][ AG: -> 1, <- 1 ........ ]
     #     compute:             [ P[1] ]  [ P[0] ][+]       (other work)     [ mm[0] ][ mm[1] ]
     #
-    # The messages are the reduce-scatter ring's then the gather's, whatever
-    # fuses with either (Invariant 2). Issued as written (with the reason): an
-    # input that is not a pending product, rows that do not split over the
-    # ranks, a reduce op without a point-to-point implementation, the size rule.
+    # On 2 ranks the ring interleaves the halves, in pieces: each reduced piece
+    # of this rank's rows goes out as soon as it is added (Note [Interleaved
+    # all-reduce] in eagertp.backends.ring). The messages depend on the shapes
+    # only, whatever fuses with either half (Invariant 2): an input that is not
+    # a pending product (or that pending work reads, in place) takes the same
+    # messages with its chunks copied, unfused with the reason, as a peer may
+    # fuse its own. Issued as written (with the reason), for reasons every rank
+    # shares: rows that do not split over the ranks, a reduce op without a
+    # point-to-point implementation, the size rule.
 
     def all_reduce(
         self,

@@ -19,6 +19,14 @@ rank's chunk, called when the backend needs it::
             producer(dst, buf[dst], rows)        # whole, or in pieces of rows
         out = reduce(buf[rank] over all ranks)       # sum, avg, max, min, product
 
+and all-reducing, with such a producer, is both, the gather half left in
+flight (a handle like ``start_all_gather``'s, consumed later)::
+
+    handle = start_all_reduce(producer, out, group, reduce_op)
+
+        produce_reduce_scatter(producer, out[this rank's rows], group, reduce_op)
+        handle = start_all_gather(out[this rank's rows], out, group)
+
 ``consumer`` may be ``None`` (the gather alone). Calls to one consumer may
 overlap where a backend runs them on several CUDA streams (none does: symm_mem
 runs them on the current stream, each behind its chunk's event), unless it is

@@ -49,9 +49,16 @@ result; after ``W - 1`` steps it holds chunk ``r`` reduced over every rank. On
     compute: [ P[2] ]     [ P[1] ]  [ + ]         [ P[0] ]  [ + ] -> out
 
 Only this rank's contribution to one chunk is computed at a time, into one of
-three chunk-sized buffers. The messages depend only on the
+three chunk-sized buffers, in pieces (Note [Pieces]): each piece is sent on as
+soon as it is made and added. The messages depend only on the
 shapes, ``reduce_op`` and the group, never on the producer: an unfused
 reduce-scatter is the same ring whose producer copies a slice of its input.
+
+Produce + all-reduce
+--------------------
+The reduce-scatter, then the gather of the reduced chunk, started, except on
+2 ranks, where the two interleave: each reduced piece goes to the peer as soon
+as it is added (Note [Interleaved all-reduce]).
 """
 
 from __future__ import annotations
@@ -324,22 +331,27 @@ class _Links:
         combine = _COMBINE[reduce_op]
         send_buf, recv_buf = torch.empty_like(out), torch.empty_like(out)
         spare = torch.empty_like(out) if world > 2 else None
+        # NB: every receive is posted as soon as its buffer is free, so that a
+        # peer's piece can move while this rank computes (gloo moves a message
+        # once both sides have posted it).
+        recvs = [self.irecv(recv_buf[r]) for r in rows]
         sends = []
         for r in rows:  # each piece goes out as soon as it is made
             producer((rank - 1) % world, send_buf[r], r)
             sends.append(self.isend(send_buf[r]))
         for step in range(1, world):
             last = step == world - 1
-            recvs = [self.irecv(recv_buf[r]) for r in rows]
             acc = out if last else spare
-            forwards = []
+            forwards, next_recvs = [], []
             for r, recv in zip(rows, recvs):
                 # This rank's share of chunk c overlaps the transfer of the partial sum of c.
                 producer((rank - step - 1) % world, acc[r], r)
                 self.wait_received(recv)
                 combine(acc[r], recv_buf[r])
                 if not last:
+                    next_recvs.append(self.irecv(recv_buf[r]))  # the next step's piece r
                     forwards.append(self.isend(acc[r]))
+            recvs = next_recvs
             if not last:
                 self.wait_sent(sends)  # send_buf is free again
                 send_buf, spare, sends = acc, send_buf, forwards
