@@ -54,10 +54,21 @@ chunks: the transfer still hides behind them::
     eagertp:  [== AG ==]   (deferred)  (bound)  [ a @ b ][ y: chunk 0 ][ chunk 1 ]
                                                 ^ read(y): z first, then the gather
 
+Products recorded before the gather started and still pending are computed
+there too: nothing has read them since, and the program's end would compute
+them with no transfer left to hide. In TP without sequence parallel that is a
+backward step's weight gradients, and the all-gather half of the input
+gradient's all-reduce, read at once by the next op, hides behind them::
+
+    program:  dW = g.t() @ x   dX = all_reduce(g @ w)   read(dX)   ...   end
+    eagertp:  (deferred)       [ RS half ][== AG half ==]
+                                          [ dW ] wait [ read ]
+
 A product that a later reduce-scatter would have taken loses that fusion (it
 is computed whole and reduce-scattered as written); in TP code a product feeds
-its reduce-scatter at once, before anything reads a gather. Products recorded
-before the gather started, and absorbed ones, stay pending.
+its reduce-scatter at once, before anything reads a gather. Absorbed products
+(a fused collective produced what it needed; Note [Deferral boundary]) stay
+pending: computed only if read.
 
 Note [Overlap accounting]
 ~~~~~~~~~~~~~~~~~~~~~~~~~

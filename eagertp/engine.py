@@ -199,15 +199,13 @@ class Engine:
             raise failure
 
     def _with_work_in_flight(self, items: list[Pending]) -> list[Pending]:
-        """``items``, each gather preceded by the products the program issued
-        while it (or a scale gather it completes) was in flight (Note [Work
+        """``items``, each gather preceded by every standalone product still
+        pending and not absorbed: the transfer hides behind them (Note [Work
         issued while a gather is in flight])."""
         ordered: list[Pending] = []
-        pending = self.store.items
         for item in items:
-            if isinstance(item, PendingGather) and item in pending:
-                first = min(pending.index(g) for g in (item, *item.scale_gathers()) if g in pending)
-                ordered += [p for p in pending[first + 1 :] if not isinstance(p, PendingGather) and not p.absorbed]
+            if isinstance(item, PendingGather) and item in self.store.items:
+                ordered += [p for p in self.store.items if not isinstance(p, PendingGather) and not p.absorbed]
             ordered.append(item)
         return ordered
 

@@ -104,6 +104,41 @@ def test_gather_without_consumer_that_overlapped_a_matmul_is_not_counted_unfused
     assert_expected_inline(results[0]["in_block"], """all_gather #0 f32[8, 16] -> f32[16, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.mul.Tensor read $0; 1 matmul ran while it was in flight""")
 
 
+def _earlier_product_worker(rank, group, backend_name):
+    """``z = a @ b`` (a weight gradient: nothing reads it until the step's
+    end), then an all-reduce fused with its product, whose result the next op
+    reads: ``z`` is computed while the all-reduce's gather half is in flight,
+    before the read waits for it, not at the block's exit."""
+    from test_all_reduce import all_reduce
+
+    a, b = integer_tensor((32, 24), F32, seed=1), integer_tensor((24, 40), F32, seed=2)
+    h, w = integer_tensor((8, 16), F32, seed=rank), integer_tensor((16, 6), F32, seed=10 + rank)
+    v = integer_tensor((6, 4), F32, seed=3)
+
+    def program():
+        z = a @ b
+        y = all_reduce(h @ w, group) + 1  # reads the all-reduced tensor at once
+        return z, (y @ v).clone()  # reads y @ v (only), inside the block
+
+    expected = program()
+    log, counter = _MatmulLog(), OpCounter()
+    with log, counter, EagerMicroPipeline(backend=backend_name) as pipe:
+        got = program()
+    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], "matmuls": log.shapes, **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_products_pending_from_before_a_gather_run_while_it_is_in_flight(pool, backend):
+    for r in run_on(backend, pool, _earlier_product_worker, 2, "auto"):
+        assert all(r["ok"]), r
+        assert r["stats"] == {"matmul_all_reduce": 1}, r
+        # The all-reduce's producer (h @ w, by chunk), then z = a @ b while its
+        # gather half is in flight, then (y + 1) @ v after the read. (Kept
+        # pending instead, z would be computed at the block's exit, last.)
+        assert r["matmuls"][-2:] == [(32, 24, 40), (8, 6, 4)], r["matmuls"]
+        assert all(shape[1:] == (16, 6) for shape in r["matmuls"][:-2]), r["matmuls"]
+
+
 def _two_in_flight_worker(rank, group, read_second_first: bool):
     """Two gathers in flight with their consumers bound; ranks complete them in
     opposite orders (even ranks the second first), which the messages must
