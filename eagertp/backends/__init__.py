@@ -80,13 +80,16 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the collectives eagert
 # fuses it must pick the same transport). CUDA is not measured yet: there
 # torch's fused ops are used at every size, as Inductor's pass does.
 # An all-reduce's per-rank buffer is its reduced shard (input bytes / W), as
-# for the reduce-scatter it starts with. NB: its CPU value is the
-# reduce-scatter's, not yet measured for the all-reduce (whose fused form adds
-# an all-gather of the shard, against gloo's own all-reduce).
+# for the reduce-scatter it starts with. Its CPU value is the 2gbit link's
+# crossover (benchmarks/NOTES.md, "hand schedules"): from 1 MiB the fused form
+# is 1.25-1.46x unfused eager, at 512 KiB anywhere from 0.91x to 1.22x between
+# runs. On plain loopback with 2 ranks on 2 cores, where every transfer is a
+# CPU copy competing with the matmuls, `calibrate_min_fuse_bytes` finds no
+# gain below 8 MiB: calibrate there (or set the value) if that is your link.
 MIN_FUSE_BYTES: dict[tuple[str, str], int] = {
     ("cpu", "all_gather"): 1 << 20,
     ("cpu", "reduce_scatter"): 512 << 10,
-    ("cpu", "all_reduce"): 512 << 10,
+    ("cpu", "all_reduce"): 1 << 20,
     ("cuda", "all_gather"): 0,
     ("cuda", "reduce_scatter"): 0,
     ("cuda", "all_reduce"): 0,
