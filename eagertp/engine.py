@@ -87,12 +87,27 @@ class Engine:
         self.issuing = False
         # Matmuls run or computed so far (Note [Overlap accounting]).
         self.matmul_work = 0
+        # device type -> the smallest matmul output (bytes) a fused collective
+        # could take; read per block (MIN_FUSE_BYTES may change between blocks).
+        self._deferral_bytes: dict[str, int] = {}
 
     def reset(self) -> None:
         self.stats.clear()
         self.trace = Trace(max_records=self.max_records)
         self.store.reset()
         self.matmul_work = 0
+        self._deferral_bytes.clear()
+
+    def _never_fused_below(self, device_type: str) -> int:
+        """Matmul outputs smaller than this (bytes, in the widest cast) can feed
+        no fused reduce-scatter or all-reduce on ``device_type``."""
+        nbytes = self._deferral_bytes.get(device_type)
+        if nbytes is None:
+            nbytes = self._deferral_bytes[device_type] = min(
+                self.backend.min_bytes(device_type, "reduce_scatter"),
+                self.backend.min_bytes(device_type, "all_reduce"),
+            )
+        return nbytes
 
     def manages(self, group: dist.ProcessGroup) -> bool:
         return self.group is None or group.group_name == self.group.group_name
@@ -342,11 +357,7 @@ class Engine:
         if not self.store.items and a.dim() == 2 and b.dim() == 2:
             # Too small for any reduce-scatter of it to fuse: run it now
             # (Note [Deferral boundary]). NB: the hot path of small matmuls.
-            never_fused = min(
-                self.backend.min_bytes(a.device.type, "reduce_scatter"),
-                self.backend.min_bytes(a.device.type, "all_reduce"),
-            )
-            if a.shape[0] * b.shape[1] * _WIDEST_CAST < never_fused:
+            if a.shape[0] * b.shape[1] * _WIDEST_CAST < self._never_fused_below(a.device.type):
                 return self.run_matmul(func, args, kwargs)
         out_dtype, rejected = _matmul_out_dtype(a, b, bias, scaled)
         if out_dtype is None:
