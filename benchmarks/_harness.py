@@ -36,6 +36,14 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "`tc qdisc ... tbf rate RATE` (e.g. 2gbit): transfers take wire time instead of "
         "CPU copy time. Needs root and iproute2.",
     )
+    parser.add_argument(
+        "--ring-pieces",
+        nargs="+",
+        default=[],
+        metavar="[KIND=]N",
+        help="override the ring's maximum pieces per chunk (eagertp.backends.ring.PIECES): N for every "
+        "collective, or KIND=N for one (all_gather, reduce_scatter, all_reduce)",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     parser.add_argument(IN_NETNS_FLAG, action="store_true", help=argparse.SUPPRESS)
 
@@ -71,6 +79,7 @@ def _entry(rank, world, port, args, worker, results) -> None:
     warnings.simplefilter("ignore", FutureWarning)  # funcol's deprecations, once per rank otherwise
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    apply_ring_pieces(args.ring_pieces)
     try:
         result = worker(rank, world, args)
         if rank == 0:
@@ -83,6 +92,18 @@ def _entry(rank, world, port, args, worker, results) -> None:
     from eagertp._compat import exit_spawned_rank
 
     exit_spawned_rank(0)
+
+
+def apply_ring_pieces(overrides: list[str]) -> None:
+    """``--ring-pieces``: set the ring's maximum pieces per chunk, in a rank."""
+    from eagertp.backends import ring
+
+    for item in overrides:
+        kind, _, n = item.rpartition("=")
+        for k in [kind] if kind else list(ring.PIECES):
+            if k not in ring.PIECES:
+                raise SystemExit(f"--ring-pieces: unknown kind {k!r}; kinds: {', '.join(ring.PIECES)}")
+            ring.PIECES[k] = (int(n), ring.PIECES[k][1])
 
 
 def _free_port() -> int:

@@ -76,10 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--backend", default="auto", help="eagertp backend")
     parser.add_argument(
-        "--ring-pieces", type=int, default=None,
-        help="override the ring's maximum pieces per chunk, every collective (ring.PIECES)",
-    )
-    parser.add_argument(
         "--min-fuse-bytes",
         type=int,
         default=None,
@@ -186,10 +182,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
     from eagertp import EagerMicroPipeline
-    from eagertp.backends import ring
 
-    if args.ring_pieces is not None:
-        ring.PIECES.update({kind: (args.ring_pieces, min_bytes) for kind, (_, min_bytes) in ring.PIECES.items()})
     results = []
     for op in args.ops:
         for n in args.n:

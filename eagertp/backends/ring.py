@@ -487,7 +487,7 @@ _COMBINE = {"sum": _add, "avg": _add, "max": _max, "min": _min, "product": _mul}
 # an all-gather starts before its consumers are known. Measured on 2 CPU ranks
 # over gloo against hand-written schedules (benchmarks/NOTES.md).
 PIECES: dict[str, tuple[int, int]] = {
-    "all_gather": (1, 64 << 10),
+    "all_gather": (2, 256 << 10),
     "reduce_scatter": (1, 64 << 10),
     "all_reduce": (4, 512 << 10),
 }
