@@ -279,6 +279,10 @@ def _lost_peer_worker(rank, group, kind, fate):
                 (all_gather(x, short) @ w).sum()
             elif kind == "all_gather_at_exit":  # pending until the block's exit flushes it
                 all_gather(x, short) @ w
+            elif kind == "all_reduce":  # 2 ranks: the interleaved halves
+                from test_all_reduce import all_reduce
+
+                all_reduce(torch.ones(2 * group.size(), 3) @ w.t(), short)
             else:
                 reduce_scatter(torch.ones(2 * group.size(), 3) @ w.t(), short)
     except PeerError as e:
@@ -293,6 +297,7 @@ def _lost_peer_worker(rank, group, kind, fate):
         ("all_gather_read", 2, "dies"),
         ("all_gather_read", 3, "returns"),  # the helper-thread ring (gloo, > 2 ranks)
         ("reduce_scatter", 2, "returns"),
+        ("all_reduce", 2, "dies"),
     ],
 )
 def test_a_lost_peer_raises_naming_it_within_the_group_timeout(pool, kind, world, fate):
@@ -308,7 +313,10 @@ def test_a_lost_peer_raises_naming_it_within_the_group_timeout(pool, kind, world
         if fate != "dies":
             pool.restart()  # NB: a timed-out receive may still be posted in gloo
     assert results[-1] is None
-    what = "reduce_scatter(sum) -> f32[2, 4]" if kind == "reduce_scatter" else "all_gather of f32[2, 4]"
+    what = {
+        "reduce_scatter": "reduce_scatter(sum) -> f32[2, 4]",
+        "all_reduce": "all_reduce(sum) of f32[4, 4]",
+    }.get(kind, "all_gather of f32[2, 4]")
     for rank, r in enumerate(results[:-1]):
         assert r["error"] is not None, f"rank {rank} did not raise"
         # the last rank's neighbour waits for it; in the 3-rank ring rank 1 waits for
