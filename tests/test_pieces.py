@@ -212,3 +212,28 @@ def test_unfused_collectives_copy_their_chunks(pool, world, pieces, in_place):
         expected = {"unfused_all_reduce": 1} if in_place else {"unfused_reduce_scatter": 1, "unfused_all_reduce": 1}
         assert r["stats"] == expected, r
         assert r["p2p_ops"] > 0 and r["plain_reduce_scatters"] == 0, r
+
+
+def _odd_view_worker(rank, group):
+    """The all-reduced tensor's rows are half rows of the product (a [8, 6]
+    output viewed as [16, 3]): a piece of a chunk is no whole product rows, so
+    the producer makes the chunk and keeps the piece."""
+    from test_all_reduce import all_reduce
+
+    h = integer_tensor((8, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 6), torch.float32, seed=100 + rank)
+
+    def program():
+        return all_reduce((h @ w).view(16, 3), group)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), **fusion_report(pipe, counter)}
+
+
+def test_pieces_that_are_not_whole_product_rows(pool):
+    for r in pool.run(with_small_pieces, 2, _odd_view_worker):
+        assert r["ok"], r
+        assert r["stats"] == {"matmul_all_reduce": 1}, r
+        assert r["p2p_ops"] > 4, "the chunks travelled in pieces"

@@ -50,7 +50,6 @@ class ReferenceBackend:
         if reduce_op == "avg":
             out.div_(world)
 
-
     def start_all_reduce(
         self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
     ) -> _AsyncGather:

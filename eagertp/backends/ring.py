@@ -10,8 +10,8 @@ starts moving the shards at once, straight into their chunks of ``ag_out`` (no
 staging buffer, no extra full-size copy); ``consume`` runs the consumer on this
 rank's own shard, then on each peer's shard as it lands, in ring order
 (``rank - 1``, ``rank - 2``, ...). A shard may travel in pieces
-(``piece_rows``: split along dim 0; one piece by default), each consumed as it
-lands. How the shards move depends on the world size and the device:
+(``piece_rows``: split along dim 0 by its bytes, Note [Pieces]), each consumed
+as it lands. How the shards move depends on the world size and the device:
 
 - 2 ranks, or NCCL: every send and receive is posted at the start (one
   ``batch_isend_irecv``); the transfers progress on gloo's threads and NCCL's
@@ -213,8 +213,8 @@ class _ThreadedRing:
 
     def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
         world, rank = group.size(), group.rank()
-        self._rank, self._group, self._tag = rank, group, tag
-        self._what = f"all_gather of {tensor_str(shard)}"
+        self._rank = rank
+        self._links = _Links(group, f"all_gather of {tensor_str(shard)}", tag)
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
@@ -222,35 +222,26 @@ class _ThreadedRing:
         # Piece p: rows of shard sources[p // len(rows)], in the order they land.
         self._pieces = [(src, r) for src in sources for r in rows]
         self._per_step = len(rows)
-        self._send_to, self._recv_from = (rank + 1) % world, (rank - 1) % world
         self._landed = [threading.Event() for _ in self._pieces]
         self._failure: BaseException | None = None
         self._driven = 0  # pieces received (and forwarded) so far
         self._stop = False  # set by consume() to drive the rest itself
         # Step 0 from this thread: this rank's shard goes out, the first shard's pieces are posted.
-        self._sends = [self._isend(chunks[rank][r]) for r in rows]
-        self._recvs = {p: self._irecv(chunks[src][r]) for p, (src, r) in enumerate(self._pieces[: len(rows)])}
+        self._sends = [self._links.isend(chunks[rank][r]) for r in rows]
+        self._recvs = {p: self._links.irecv(chunks[src][r]) for p, (src, r) in enumerate(self._pieces[: len(rows)])}
         self._thread = threading.Thread(target=self._helper, name="eagertp-ring", daemon=True)
         self._thread.start()
-
-    def _isend(self, t: torch.Tensor) -> dist.Work:
-        with peer_transfer(self._what, self._group, self._send_to):
-            return _isend(t, self._group, self._send_to, self._tag)
-
-    def _irecv(self, t: torch.Tensor) -> dist.Work:
-        with peer_transfer(self._what, self._group, self._recv_from):
-            return _irecv(t, self._group, self._recv_from, self._tag)
 
     def _drive(self, p: int) -> None:
         """Wait for piece ``p``, forward it (posting the receive of the piece
         one step later), and say it landed."""
-        wait_for_peer(self._recvs.pop(p), self._what, self._group, self._recv_from)  # Note [Waiting on a peer]
+        self._links.wait_received(self._recvs.pop(p))  # Note [Waiting on a peer]
         nxt = p + self._per_step
         if nxt < len(self._pieces):
             src, rows = self._pieces[p]
-            self._sends.append(self._isend(self._chunks[src][rows]))
+            self._sends.append(self._links.isend(self._chunks[src][rows]))
             next_src, next_rows = self._pieces[nxt]
-            self._recvs[nxt] = self._irecv(self._chunks[next_src][next_rows])
+            self._recvs[nxt] = self._links.irecv(self._chunks[next_src][next_rows])
         self._driven = p + 1
         self._landed[p].set()
 
@@ -289,8 +280,7 @@ class _ThreadedRing:
             if consumer is not None:
                 consumer(chunks[src][rows], src, rows)
         self._thread.join()
-        for work in self._sends:
-            wait_for_peer(work, self._what, self._group, self._send_to)
+        self._links.wait_sent(self._sends)
         self._sends = []
 
     def landed(self) -> bool | None:
@@ -301,18 +291,18 @@ class _Links:
     """Point-to-point messages of one collective to the next rank and from the
     previous one, each post and wait naming the collective if it fails."""
 
-    def __init__(self, group: dist.ProcessGroup, what: str) -> None:
+    def __init__(self, group: dist.ProcessGroup, what: str, tag: int = 0) -> None:
         world, rank = group.size(), group.rank()
-        self.group, self.what = group, what
+        self.group, self.what, self.tag = group, what, tag
         self.send_to, self.recv_from = (rank + 1) % world, (rank - 1) % world
 
     def isend(self, t: torch.Tensor) -> dist.Work:
         with peer_transfer(self.what, self.group, self.send_to):
-            return _isend(t, self.group, self.send_to)
+            return _isend(t, self.group, self.send_to, self.tag)
 
     def irecv(self, t: torch.Tensor) -> dist.Work:
         with peer_transfer(self.what, self.group, self.recv_from):
-            return _irecv(t, self.group, self.recv_from)
+            return _irecv(t, self.group, self.recv_from, self.tag)
 
     def wait_sent(self, works: list[dist.Work]) -> None:
         for work in works:
@@ -411,7 +401,7 @@ class _InterleavedAllReduce:
             if reduce_op == "avg":
                 own[r].div_(2)
             self._sends.append(links.isend(own[r]))
-        self._partial_bufs = (partial, sent)  # NB: the sends read `sent` until they complete
+        self._sent = sent  # NB: the sends read it until they complete
         self._received = [False] * len(rows)
 
     def _wait_piece(self, i: int) -> None:
@@ -433,7 +423,7 @@ class _InterleavedAllReduce:
             if consumer is not None:
                 consumer(chunks[self._peer][r], self._peer, r)
         self._links.wait_sent(self._sends)
-        self._sends, self._reduced, self._partial_bufs = [], [], ()
+        self._sends, self._reduced, self._sent = [], [], None
 
     def landed(self) -> bool | None:
         return None  # as _P2PGather on gloo: a receive completes only in wait()
