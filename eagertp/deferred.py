@@ -525,7 +525,6 @@ class PendingCast(_Standalone):
 Product = PendingMatmul | PendingSum | PendingCast
 
 
-
 def _render_matmul(
     tid: int,
     in_dtype: torch.dtype,

@@ -298,7 +298,9 @@ class Engine:
             out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
         return out
 
-    def start_gather(self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None) -> torch.Tensor:
+    def start_gather(
+        self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Start the gather now and return its placeholder: ``out`` (contiguous,
         gathered shape), the caller's output buffer, or a new one."""
         if self.store.touched([shard]) is not None:
@@ -758,6 +760,8 @@ class Engine:
         too_small = self.backend.size_rule(inp.device.type, "all_reduce", inp.nbytes // world)
         if too_small is not None:
             return too_small
+        if inp.numel() == 0:
+            return "it is empty"
         if inp.dim() < 2 or inp.numel() // inp.shape[-1] % world:
             return f"the rows of {tensor_str(inp)} (all dims but the last) do not split over {world} ranks"
         if in_place and not inp.is_contiguous():

@@ -174,6 +174,20 @@ def test_unfused_all_reduce_explains_its_reason(pool, case):
         assert_expected_inline(results[0]["explain"], """all_reduce(sum) #0 f32[3, 6] -> f32[3, 6] on group '2' (2 ranks): not fused: the rows of f32[3, 6] (all dims but the last) do not split over 2 ranks""")
 
 
+def _empty_worker(rank, group):
+    """An empty all-reduce (min_fuse_bytes=0, as on CUDA): issued as written."""
+    x = torch.empty(0, 8)
+    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=0) as pipe:
+        got = all_reduce(x, group)
+    return {"shape": tuple(got.shape), **_report(pipe, counter)}
+
+
+def test_empty_all_reduce_is_issued_as_written(pool):
+    for r in pool.run(_empty_worker, 2):
+        assert r["shape"] == (0, 8) and r["stats"] == {"unfused_all_reduce": 1}, r
+        assert r["explain"].endswith("not fused: it is empty"), r["explain"]
+
+
 def _read_first_worker(rank, group, backend_name):
     """Rank 0 reads the product before all-reducing it (so it has nothing
     pending to fuse), rank 1 fuses: both exchange the ring's messages."""
