@@ -37,6 +37,12 @@ def reduce_scatter(x: torch.Tensor, group, reduce_op: str = "sum", scatter_dim: 
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
+def all_reduce(x: torch.Tensor, group, reduce_op: str = "sum") -> torch.Tensor:
+    """funcol's all-reduce, waited."""
+    out = funcol.all_reduce(x, reduce_op, group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
 def fusion_report(pipe, counter: OpCounter) -> dict:
     """What a worker returns so the test can prove which path ran."""
     return {

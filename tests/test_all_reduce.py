@@ -12,10 +12,9 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
-from helpers import ROWWISE_SCALES, OpCounter, fusion_report, integer_tensor
+from helpers import ROWWISE_SCALES, OpCounter, all_reduce, fusion_report, integer_tensor
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -41,11 +40,6 @@ def _assert_fused(r: dict, stats: dict, backend: str = "ring") -> None:
     assert r["stats"] == stats, r
     assert r["plain_all_reduces"] == 0, r
     assert_moved_by(backend, r)
-
-
-def all_reduce(x: torch.Tensor, group, reduce_op: str = "sum") -> torch.Tensor:
-    out = funcol.all_reduce(x, reduce_op, group)
-    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def _funcol_worker(rank, group, reduce_op, in_place, shape, bias, sum_of_two):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OpCounter, all_gather, fusion_report, integer_tensor
+from helpers import OpCounter, all_gather, all_reduce, fusion_report, integer_tensor
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -109,7 +109,6 @@ def _earlier_product_worker(rank, group, backend_name):
     end), then an all-reduce fused with its product, whose result the next op
     reads: ``z`` is computed while the all-reduce's gather half is in flight,
     before the read waits for it, not at the block's exit."""
-    from test_all_reduce import all_reduce
 
     a, b = integer_tensor((32, 24), F32, seed=1), integer_tensor((24, 40), F32, seed=2)
     h, w = integer_tensor((8, 16), F32, seed=rank), integer_tensor((16, 6), F32, seed=10 + rank)

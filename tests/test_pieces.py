@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter, with_small_pieces
+from helpers import OpCounter, all_gather, all_reduce, fusion_report, integer_tensor, reduce_scatter, with_small_pieces
 from test_all_gather_matmul import _assert_fused, _contract_worker, _gather_dim_worker, _linear_worker
 
 from eagertp import EagerMicroPipeline
@@ -142,7 +142,6 @@ def _all_reduce_then_matmul_worker(rank, group, read_early):
     """A matmul on the all-reduced tensor binds to its gather half and runs
     as the peers' reduced pieces land; with ``read_early`` this rank reads the
     result first instead (the gather alone): the same messages."""
-    from test_all_reduce import all_reduce
 
     h = integer_tensor((8, 8), torch.float32, seed=rank)
     w = integer_tensor((8, 8), torch.float32, seed=100 + rank)
@@ -182,7 +181,6 @@ def test_ranks_reading_an_all_reduce_differently_in_pieces_interoperate(pool):
 def _unfused_collectives_worker(rank, group, in_place_all_reduce):
     """Collectives of tensors that are not pending products, 3-D: the ring's
     copy producer, whole or in pieces."""
-    from test_all_reduce import all_reduce
 
     x = integer_tensor((4, 2, 8), torch.float32, seed=rank)
 
@@ -218,7 +216,6 @@ def _odd_view_worker(rank, group):
     """The all-reduced tensor's rows are half rows of the product (a [8, 6]
     output viewed as [16, 3]): a piece of a chunk is no whole product rows, so
     the producer makes the chunk and keeps the piece."""
-    from test_all_reduce import all_reduce
 
     h = integer_tensor((8, 8), torch.float32, seed=rank)
     w = integer_tensor((8, 6), torch.float32, seed=100 + rank)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from helpers import all_gather, integer_tensor
+from helpers import all_gather, all_reduce, integer_tensor
 from multirank import RankError, WorkerDied
 
 from eagertp import EagerMicroPipeline, VerificationError
@@ -280,8 +280,6 @@ def _lost_peer_worker(rank, group, kind, fate):
             elif kind == "all_gather_at_exit":  # pending until the block's exit flushes it
                 all_gather(x, short) @ w
             elif kind == "all_reduce":  # 2 ranks: the interleaved halves
-                from test_all_reduce import all_reduce
-
                 all_reduce(torch.ones(2 * group.size(), 3) @ w.t(), short)
             else:
                 reduce_scatter(torch.ones(2 * group.size(), 3) @ w.t(), short)
