@@ -294,3 +294,18 @@ def test_ring_landed_asks_every_receive_off_the_cpu():
     assert gather.landed() is True
     gather._chunks = torch.empty(2, 4)
     assert gather.landed() is None, "gloo's point-to-point Work cannot tell"
+
+
+def test_interleaved_all_reduce_landed_asks_the_reduced_pieces_off_the_cpu():
+    """The 2-rank all-reduce's gather half has landed when the peer's reduced
+    pieces have (no GPU here: a meta buffer stands for the device)."""
+    from eagertp.backends.ring import _InterleavedAllReduce
+
+    handle = _InterleavedAllReduce.__new__(_InterleavedAllReduce)
+    handle._chunks = torch.empty(2, 2, 4, device="meta")
+    handle._reduced = [_FakeWork(True), _FakeWork(False)]
+    assert handle.landed() is False
+    handle._reduced[1].done = True
+    assert handle.landed() is True
+    handle._chunks = torch.empty(2, 2, 4)
+    assert handle.landed() is None

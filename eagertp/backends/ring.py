@@ -426,7 +426,9 @@ class _InterleavedAllReduce:
         self._sends, self._reduced, self._sent = [], [], None
 
     def landed(self) -> bool | None:
-        return None  # as _P2PGather on gloo: a receive completes only in wait()
+        if self._chunks.device.type == "cpu":
+            return None  # NB: gloo's point-to-point Work completes only in wait()
+        return all(work.is_completed() for work in self._reduced)  # NCCL: its CUDA event
 
 
 # Note [Who drives the ring]
