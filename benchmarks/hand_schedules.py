@@ -49,8 +49,11 @@ def _wait(works: list[dist.Work]) -> None:
         w.wait()
 
 
-def all_gather_matmul(shard: torch.Tensor, b: torch.Tensor, pieces: int) -> Callable[[], None]:
-    """``y = all_gather(shard) @ b``, gather dim 0."""
+def all_gather_matmul(
+    shard: torch.Tensor, b: torch.Tensor, pieces: int, independent: Callable[[], None] | None = None
+) -> Callable[[], None]:
+    """``y = all_gather(shard) @ b``, gather dim 0; ``independent`` runs
+    between posting the gather and consuming it."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     m = shard.shape[0]
     gathered = shard.new_empty(2, *shard.shape)
@@ -60,6 +63,8 @@ def all_gather_matmul(shard: torch.Tensor, b: torch.Tensor, pieces: int) -> Call
     def run() -> None:
         recvs = [dist.irecv(gathered[peer][r], src=peer) for r in rows]
         sends = [dist.isend(shard[r], dst=peer) for r in rows]
+        if independent is not None:
+            independent()
         torch.mm(shard, b, out=y[rank])
         for r, work in zip(rows, recvs):
             work.wait()
@@ -145,24 +150,8 @@ def all_gather_indep_matmul(
     shard: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, pieces: int
 ) -> Callable[[], None]:
     """The prefetch form: the gather posted, the independent matmul, then the consumer by piece."""
-    rank, peer = dist.get_rank(), 1 - dist.get_rank()
-    m = shard.shape[0]
-    gathered = shard.new_empty(2, *shard.shape)
-    y = shard.new_empty(2, m, b.shape[1])
     z = a2.new_empty(a2.shape[0], b2.shape[1])
-    rows = _split(m, pieces)
-
-    def run() -> None:
-        recvs = [dist.irecv(gathered[peer][r], src=peer) for r in rows]
-        sends = [dist.isend(shard[r], dst=peer) for r in rows]
-        torch.mm(a2, b2, out=z)
-        torch.mm(shard, b, out=y[rank])
-        for r, work in zip(rows, recvs):
-            work.wait()
-            torch.mm(gathered[peer][r], b, out=y[peer][r])
-        _wait(sends)
-
-    return run
+    return all_gather_matmul(shard, b, pieces, independent=lambda: torch.mm(a2, b2, out=z))
 
 
 def exchange(tensors: list[torch.Tensor]) -> Callable[[], None]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from eagertp._format import dtype_str, group_str, tensor_str
-from eagertp.backends import BackendChoice
+from eagertp.backends import Backend, BackendChoice
 from eagertp.backends.base import REDUCE_OPS, all_gather_consume
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import (
@@ -318,11 +318,17 @@ class Engine:
                 # every rank, for the comparison when the gather completes.
                 _check_ranks_agree(gather_signature(shard), group)
                 self._gather_reference(gather)
-            backend, note = self.backend.for_collective(shard, group)
-            gather.backend = record.backend = backend.name if note is None else f"{backend.name}; {note}"
+            backend, gather.backend = self._choose_backend(shard, group)
+            record.backend = gather.backend
             gather.handle = backend.start_all_gather(shard, out, group)
         self._add_gather(gather)
         return out
+
+    def _choose_backend(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str]:
+        """The backend for a collective on ``t``, and its label for explain()
+        (with the note of why ``auto`` did not pick symm_mem, if any)."""
+        backend, note = self.backend.for_collective(t, group)
+        return backend, backend.name if note is None else f"{backend.name}; {note}"
 
     def _gather_reference(self, gather: PendingGather) -> None:
         """Plain eager's gather of ``gather.shard``, for ``verify=True`` to compare
@@ -634,12 +640,12 @@ class Engine:
             if self.verify:
                 # NB: before the backend is chosen (see start_gather).
                 _check_ranks_agree(plan.signature(), plan.group)
-            backend, note = self.backend.for_collective(plan.buffer, plan.group)
+            backend, label = self._choose_backend(plan.buffer, plan.group)
             plan.run(backend)
             if self.verify:
                 for what, got, want, exact in plan.checks():
                     _check_equal(what, got, want, plan.group, exact=exact)
-        return backend.name if note is None else f"{backend.name}; {note}"
+        return label
 
     # -- all-reduce --------------------------------------------------------
 
@@ -727,8 +733,7 @@ class Engine:
         with _profiler_range(f"eagertp::{'matmul_' if plan.fused else ''}all_reduce"), self.issuing_work():
             if self.verify:
                 _check_ranks_agree(f"{kind} of {tensor_str(rows)}", group)  # NB: before the backend is chosen
-            backend, note = self.backend.for_collective(shard, group)
-            gather.backend = backend.name if note is None else f"{backend.name}; {note}"
+            backend, gather.backend = self._choose_backend(shard, group)
             gather.handle = backend.start_all_reduce(plan.producer(), rows, group, reduce_op)
             if self.verify:
                 for what, got, want, exact in plan.checks():  # this rank's reduced rows

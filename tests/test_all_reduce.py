@@ -206,6 +206,31 @@ def test_ranks_that_fuse_differently_interoperate(pool, world, backend):
         assert r["plain_all_reduces"] == 0, r
 
 
+def _megatron_functions(reduce):
+    """Megatron's f (identity forward, ``reduce`` of the input gradient in
+    backward) and g (``reduce`` forward, identity backward)."""
+
+    class CopyToTP(torch.autograd.Function):  # f
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return reduce(grad)
+
+    class ReduceFromTP(torch.autograd.Function):  # g
+        @staticmethod
+        def forward(ctx, x):
+            return reduce(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return CopyToTP, ReduceFromTP
+
+
 def _megatron_worker(rank, group, async_op, backend_name):
     """Megatron-style TP MLP without SP on raw c10d: f (identity forward,
     all-reduce of the input gradient in backward) before the column-parallel
@@ -219,23 +244,7 @@ def _megatron_worker(rank, group, async_op, backend_name):
             assert work is None
         return t
 
-    class CopyToTP(torch.autograd.Function):  # f
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, grad):
-            return all_reduce_in_place(grad.contiguous())
-
-    class ReduceFromTP(torch.autograd.Function):  # g
-        @staticmethod
-        def forward(ctx, x):
-            return all_reduce_in_place(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
+    CopyToTP, ReduceFromTP = _megatron_functions(lambda t: all_reduce_in_place(t.contiguous()))
 
     x0 = integer_tensor((8, 8), torch.float32, seed=0)  # replicated input
     w1 = integer_tensor((6, 8), torch.float32, seed=10 + rank)  # column shard
@@ -400,24 +409,7 @@ def _autocast_worker(rank, group):
     reduce-scatter file's autocast test): forward, the bf16 row-parallel output
     is all-reduced; backward, the bf16 input gradient is cast to float32 (the
     backward of autocast's cast of x) before its all-reduce: a cast producer."""
-
-    class CopyToTP(torch.autograd.Function):  # identity forward, all-reduce backward
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, grad):
-            return all_reduce(grad, group)
-
-    class ReduceFromTP(torch.autograd.Function):  # all-reduce forward, identity backward
-        @staticmethod
-        def forward(ctx, x):
-            return all_reduce(x, group)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
+    CopyToTP, ReduceFromTP = _megatron_functions(lambda t: all_reduce(t, group))
 
     x0 = integer_tensor((8, 8), torch.float32, seed=0)  # replicated input
     w1 = integer_tensor((8, 8), torch.float32, seed=10 + rank)  # column shard
