@@ -26,6 +26,7 @@ answer.
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -143,15 +144,19 @@ def time_round_robin(
     """Per function, the median over samples of the slowest rank's seconds.
 
     Every sample is taken on all ranks between barriers (CUDA work is waited
-    for). Round ``i`` runs every function once, starting at a different one, so
-    that drift on a shared machine lands on all of them alike and their ratios
-    stay meaningful. All ranks must call it together.
+    for). Round ``i`` runs every function once, in an order shuffled anew each
+    round, so that drift on a shared machine lands on all of them alike and
+    their ratios stay meaningful. All ranks must call it together.
     """
     device = torch.device(device)
     samples: list[list[float]] = [[] for _ in fns]
     for i in range(warmup + repeats):
-        for j in range(len(fns)):
-            f = (i + j) % len(fns)  # a different one first each round: drift hits all alike
+        # NB: a new order each round, the same on every rank (seeded by the
+        # round): drift hits all alike, and no function always follows the same
+        # one (a shaped link's token bucket refills behind a transfer-free one).
+        order = list(range(len(fns)))
+        random.Random(i).shuffle(order)
+        for f in order:
             dist.barrier(group=group)
             start = time.perf_counter()
             fns[f]()

@@ -160,6 +160,7 @@ import dataclasses
 import enum
 import itertools
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -215,6 +216,12 @@ class GatheredView:
     def shard_rows(self) -> int:
         """Size of dim 0 of one rank's shard (the dim backends split it along)."""
         return self.tensor.shape[0] // self.world if self.dim == 0 else self.tensor.shape[0]
+
+    def observed(self) -> bool:
+        """False if nothing but this view can reach its placeholder (the
+        program dropped the cat funcol made, as a matmul's operand only): then
+        filling it would be a copy nobody can see."""
+        return _python_refs(self.tensor) > _ONLY_HELD or not _unshared(self.tensor)
 
     def fill(self, piece: torch.Tensor, src: int, rows: slice) -> None:
         """Copy (or cast) rows ``rows`` of rank ``src``'s shard into place (the
@@ -565,8 +572,7 @@ del _holder
 
 
 def _unobserved(product: Product) -> bool:
-    """True if nothing but this pending item can reach its placeholders: no
-    Python reference, no C++ holder (autograd), no view sharing the storage.
+    """True if nothing but this pending item can reach its placeholders.
     Then computing it would be work that nobody can observe."""
     if _python_refs(product.out) > _ONLY_HELD:
         return False
@@ -576,8 +582,14 @@ def _unobserved(product: Product) -> bool:
 
 
 def _unshared(t: torch.Tensor) -> bool:
+    """No C++ holder (autograd), no view sharing the storage, no weak reference
+    (which could bring the tensor back) of a placeholder the caller holds once."""
     # NB: untyped_storage() makes a Python storage object: one more use while it lives.
-    return t._use_count() == 1 and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
+    return (
+        t._use_count() == 1
+        and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
+        and not weakref.getweakrefcount(t)
+    )
 
 
 @dataclasses.dataclass(eq=False)

@@ -149,8 +149,10 @@ class AllGatherMatmulPlan:
     def consumer(self) -> ChunkConsumer | None:
         g = self.gather
         # Views gathered along dim > 0 are filled piece by piece too (the copy
-        # plain eager's cat would do, overlapped with the transfers).
-        steps = [view.fill for view in g.views[1:]]
+        # plain eager's cat would do, overlapped with the transfers), unless the
+        # program can no longer see them (a cat that only fed the matmuls). Cast
+        # views hold the data their consumers read; verify checks every view.
+        steps = [view.fill for view in g.views[1:] if view.cast or g.reference is not None or view.observed()]
         whole = g.out.view(g.group.size(), *g.shard.shape)  # whole[i]: rank i's shard, once arrived
         steps += [_chunk_step(mm, whole, self._scale_rows(mm)) for mm in g.consumers]
         if not steps:
@@ -425,7 +427,8 @@ def _rows_part(mm: PendingMatmul, view: GatheredView, scale_rows: ScaleRows | No
 
 def _accumulate_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
     """ROWS_T, B_ROWS, COLS: out (or its rows, for COLS) += one partial product
-    per piece. The first piece to arrive starts out at ``beta * bias`` (or 0).
+    per piece. The first piece to arrive starts out at ``beta * bias`` (or 0),
+    or, with neither bias nor alpha, writes out when it covers all of it.
 
     NB: half-precision outputs accumulate in float32 and round once when the
     last piece is in, as one plain matmul does: rounding every partial sum to
@@ -456,15 +459,22 @@ def _accumulate_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
 
     def accumulate_part(piece: torch.Tensor, src: int, rows: slice) -> None:
         nonlocal rows_done
-        if rows_done == 0:
-            if mm.bias is None:
-                acc.zero_()
-            else:
-                acc.copy_(mm.bias.expand(out.shape))
-                if mm.beta != 1:
-                    acc.mul_(mm.beta)
         target, x, y = factors(view.data(piece, src, rows), src, rows)
-        target.addmm_(x.to(acc.dtype), y.to(acc.dtype), alpha=mm.alpha)
+        x, y = x.to(acc.dtype), y.to(acc.dtype)
+        if rows_done == 0 and mm.bias is None and mm.alpha == 1 and target.shape == acc.shape:
+            # NB: a first partial product that covers all of out (a whole shard,
+            # as the rings deliver this rank's own first) is written, not added
+            # to zeros: a memset and a read of out saved.
+            torch.mm(x, y, out=acc)
+        else:
+            if rows_done == 0:
+                if mm.bias is None:
+                    acc.zero_()
+                else:
+                    acc.copy_(mm.bias.expand(out.shape))
+                    if mm.beta != 1:
+                        acc.mul_(mm.beta)
+            target.addmm_(x, y, alpha=mm.alpha)
         rows_done += rows.stop - rows.start
         if rows_done == rows_total and acc is not out:
             out.copy_(acc)

@@ -208,6 +208,40 @@ def test_gather_dims_above_zero_fuse(pool, world, shard_shape, gather_dim, bias,
         _assert_fused(r, calls=1, matmuls=1, backend=backend)
 
 
+def _dropped_cat_worker(rank, group, gather_dim, hold):
+    x = integer_tensor((2, 3, 8), torch.float32, seed=rank)
+    k = 8 * (group.size() if gather_dim == 2 else 1)
+    w = integer_tensor((5, k), torch.float32, seed=60).requires_grad_(hold == "autograd")
+    expected = F.linear(all_gather(x, group, gather_dim), w)
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        g = all_gather(x, group, gather_dim)
+        got = F.linear(g, w)
+        if hold != "program":
+            del g  # only the linear had it (and autograd, for w's gradient)
+    ok = [torch.equal(got, expected)]
+    if hold == "autograd":  # the weight gradient reads the saved cat
+        (w_grad,) = torch.autograd.grad(expected.sum(), w)
+        got.sum().backward()
+        ok.append(torch.equal(w.grad, w_grad))
+    return {"ok": all(ok), "copies": counter.counts["aten.copy_.default"], **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("gather_dim", [1, 2], ids=["rows", "cols"])
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_a_cat_nobody_holds_is_not_filled(pool, world, gather_dim, backend):
+    """The cat funcol builds for a gather along an inner dim is filled piece by
+    piece while the program or autograd can still see it; dropped (an operand
+    only), its copies are skipped, one per rank's chunk, and the linear is
+    unchanged."""
+    runs = {hold: run_on(backend, pool, _dropped_cat_worker, world, gather_dim, hold) for hold in ("program", "autograd", "none")}
+    for held, saved, dropped in zip(*runs.values()):
+        assert held["ok"] and saved["ok"] and dropped["ok"], runs
+        _assert_fused(dropped, calls=1, matmuls=1, backend=backend)
+        assert held["copies"] - dropped["copies"] == world, (held["copies"], dropped["copies"])
+        assert saved["copies"] == held["copies"], (saved["copies"], held["copies"])
+
+
 def test_gather_dim_trace(pool):
     r0 = pool.run(_gather_dim_worker, 2, (2, 3, 8), 1, False, "f32")[0]
     from expecttest import assert_expected_inline
