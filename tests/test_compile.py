@@ -119,3 +119,18 @@ def test_the_stance_is_restored_when_nested_on_exceptions_and_when_enter_fails(m
         with pipe:  # the failed enter left nothing behind
             assert _stance() == "force_eager"
     assert _stance() == "default"
+
+
+def test_dynamo_never_traces_the_mode():
+    """A program that sets another stance inside the block runs compiled code
+    with Dynamo's frame hook set while its ops reach the mode: Dynamo compiles
+    none of eagertp's frames, as with torch's own wrapper (Note [Dispatch
+    without Dynamo's wrapper])."""
+    backend = CountingBackend("eager")
+    f = torch.compile(lambda x, w: torch.relu(x @ w) + 1, backend=backend)
+    x, w = integer_tensor((64, 64), torch.float32, seed=0), integer_tensor((64, 64), torch.float32, seed=1)
+    with EagerMicroPipeline(min_fuse_bytes=0):  # every matmul deferred: the engine's frames run
+        with torch.compiler.set_stance("default"):
+            got = f(x, w)
+    assert torch.equal(got, torch.relu(x @ w) + 1)
+    assert backend.counts() == (0, 0)
