@@ -396,7 +396,13 @@ class PendingMatmul(_Standalone):
         the matmul's A, picked by ``select``, which then picks the same rows of
         everything indexed by A's rows (addmm's broadcast bias, a row-wise
         ``scale_a``, unless given: a gathered scale's rows read where they
-        landed, Note [Gathered row-wise scales])."""
+        landed, Note [Gathered row-wise scales]). A 3-d ``a`` is runs of rows
+        (``[runs, rows, K]``, ``out`` likewise): one matmul per run."""
+        if a.dim() == 3:
+            for i in range(a.shape[0]):
+                run = None if select is None else (lambda t, i=i: select(t)[i])
+                self.compute(a[i], b, out[i], run, scale_a=None if scale_a is None else scale_a[i])
+            return
         if self.scaled is not None:
             sc = self.scaled
             if scale_a is None:
