@@ -18,7 +18,7 @@ partial products accumulated).
 M x K @ K x N as in the other forms (a row-parallel linear's output); comm is a
 plain all-reduce of the M x N product. eagertp runs it as a reduce-scatter fed
 chunk by chunk by the matmul, then an all-gather of the reduced rows (Note
-[Matmul + all-reduce] in eagertp.engine); nothing here reads the result with a
+[Matmul + all-reduce] in eagertp.collectives.all_reduce); nothing here reads the result with a
 matmul, so the gather half has nothing to hide behind, and with 2 ranks the
 attainable time is about max(comm/2, mm) + comm/2, not max(comm, mm): E stays
 below 0.5 at the balance point.

@@ -622,7 +622,7 @@ class PendingGather:
     # is (Note [Gathered row-wise scales]).
     scale_of: list[PendingMatmul] = dataclasses.field(default_factory=list)
     # The all-gather half of a fused all-reduce: ``record`` is the all-reduce's
-    # (Note [Matmul + all-reduce] in eagertp.engine).
+    # (Note [Matmul + all-reduce] in eagertp.collectives.all_reduce).
     half_of_all_reduce: bool = False
 
     def __post_init__(self) -> None:

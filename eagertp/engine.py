@@ -3,10 +3,14 @@
 ``Engine`` holds one ``EagerMicroPipeline``'s state (the pending store, the
 trace, the counters, the backend choice) and the operations the op handlers
 call: start a gather, defer a matmul (as a gather's consumer or standalone),
-run a reduce-scatter fused with its producer, complete what a read needs, and
-flush everything. Note [Deferral boundary] in ``eagertp.deferred`` says when
-each happens. The handlers (``eagertp.collectives``, ``eagertp.matmuls``) turn
-ops into these calls; the public class (``eagertp.pipeline``) owns the engine.
+complete what a read needs, and flush everything. Note [Deferral boundary] in
+``eagertp.deferred`` says when each happens. The handlers
+(``eagertp.collectives``, ``eagertp.matmuls``) turn ops into these calls; the
+reduce-scatter and all-reduce families run their fused collectives in their own
+modules with the engine's small surface for them (``choose_backend``,
+``add_gather``, ``gather_reference``, ``issue_as_is``, ``new_record``,
+``profiler_range``, ``check_ranks_agree``, ``check_equal``). The public class
+(``eagertp.pipeline``) owns the engine; the engine imports no family.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from eagertp._format import dtype_str, group_str, tensor_str
 from eagertp.backends import Backend, BackendChoice
-from eagertp.backends.base import REDUCE_OPS, all_gather_consume
+from eagertp.backends.base import all_gather_consume
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import (
     GatheredView,
@@ -42,7 +46,7 @@ from eagertp.deferred import (
     storage_key,
     tensor_leaves,
 )
-from eagertp.patterns import AllGatherMatmulPlan, ReduceScatterPlan, gather_signature, scatter_signature
+from eagertp.patterns import AllGatherMatmulPlan, gather_signature
 from eagertp.trace import CollectiveRecord, Meta, Reason, Trace
 
 log = logging.getLogger(__name__)
@@ -243,7 +247,7 @@ class Engine:
             self._complete_scales(plan.scales, reason)
             plan.scales = []
         try:
-            with _profiler_range(f"eagertp::{plan.name}"):
+            with profiler_range(f"eagertp::{plan.name}"):
                 plan.run(whole=whole)
         except BaseException:
             self._complete_scales(plan.scales, reason)
@@ -252,7 +256,7 @@ class Engine:
         self._complete_scales(plan.scales, reason)
         if self.verify:  # NB: after the scales: plain eager's matmuls read them whole
             for what, got, want, exact in plan.checks():
-                _check_equal(what, got, want, plan.group, exact=exact)
+                check_equal(what, got, want, plan.group, exact=exact)
 
     def _count_fused(self, gather: PendingGather, plan: AllGatherMatmulPlan) -> None:
         self.matmul_work += len(gather.consumers)
@@ -264,7 +268,8 @@ class Engine:
         overlapped = self.matmul_work - gather.work_at_start
         if gather.half_of_all_reduce:
             # The all-reduce was accounted for where it was issued; only its
-            # gather half's consumers are new (Note [Matmul + all-reduce]).
+            # gather half's consumers are new (Note [Matmul + all-reduce] in
+            # eagertp.collectives.all_reduce).
             if plan.fused:
                 self._count_fused(gather, plan)
                 gather.record.gather_half_with = plan.fused_with()
@@ -316,27 +321,28 @@ class Engine:
                 # group rendezvouses, a collective that mismatched ranks would hang
                 # in. Plain eager's result is gathered here, in program order on
                 # every rank, for the comparison when the gather completes.
-                _check_ranks_agree(gather_signature(shard), group)
-                self._gather_reference(gather)
-            backend, gather.backend = self._choose_backend(shard, group)
+                check_ranks_agree(gather_signature(shard), group)
+                self.gather_reference(gather)
+            backend, gather.backend = self.choose_backend(shard, group)
             record.backend = gather.backend
             gather.handle = backend.start_all_gather(shard, out, group)
-        self._add_gather(gather)
+        self.add_gather(gather)
         return out
 
-    def _choose_backend(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str]:
+    def choose_backend(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str]:
         """The backend for a collective on ``t``, and its label for explain()
         (with the note of why ``auto`` did not pick symm_mem, if any)."""
         backend, note = self.backend.for_collective(t, group)
         return backend, backend.name if note is None else f"{backend.name}; {note}"
 
-    def _gather_reference(self, gather: PendingGather) -> None:
+    def gather_reference(self, gather: PendingGather) -> None:
         """Plain eager's gather of ``gather.shard``, for ``verify=True`` to compare
         with when the gather completes."""
         gather.reference = torch.empty_like(gather.out)
         all_gather_consume(ReferenceBackend(), gather.shard, None, gather.reference, gather.group)
 
-    def _add_gather(self, gather: PendingGather) -> None:
+    def add_gather(self, gather: PendingGather) -> None:
+        """Hold a started gather in the pending store, traced, until a read or flush completes it."""
         self.store.add_gather(gather)
         self.trace.event(
             f"${gather.tid}: {tensor_str(gather.out)} = all_gather({tensor_str(gather.shard)}, {gather.record.group})"
@@ -568,226 +574,6 @@ class Engine:
         self.trace.event(total.render())
         return total.out.view(x.shape)
 
-    # -- reduce-scatter ----------------------------------------------------
-
-    def reduce_scatter(
-        self,
-        func: torch._ops.OpOverload,
-        args: tuple,
-        kwargs: dict,
-        inp: torch.Tensor,
-        reduce_op: str,
-        group: dist.ProcessGroup,
-        out: torch.Tensor | None = None,
-    ) -> Any:
-        """Run a reduce-scatter (scatter dim 0) on a managed group now, fused with
-        the pending product that makes its input where there is one. ``out`` is
-        the caller's output buffer (raw c10d), else a new tensor is returned.
-        Gathers in flight stay in flight: they started earlier, in program order."""
-        world = group.size()
-        kind = f"reduce_scatter({reduce_op})"
-        if reduce_op not in REDUCE_OPS or inp.dim() == 0 or inp.shape[0] % world:
-            # Plain eager either runs it (an op we have no ring for) or raises.
-            why = f"reduce_op {reduce_op!r} has no point-to-point implementation"
-            signature = scatter_signature(reduce_op, f"{world} ranks from {tensor_str(inp)}")
-            return self.issue_as_is(func, args, kwargs, kind, inp, group, why, signature)
-        too_small = self.backend.size_rule(inp.device.type, "reduce_scatter", inp.nbytes // world)
-        if too_small is not None:
-            out_str = f"{dtype_str(inp.dtype)}{[inp.shape[0] // world, *inp.shape[1:]]}"  # as tensor_str(out)
-            signature = scatter_signature(reduce_op, out_str)
-            return self.issue_as_is(func, args, kwargs, kind, inp, group, too_small, signature)
-        if out is None:
-            out = self.placeholder(inp, (inp.shape[0] // world, *inp.shape[1:]))
-        record = self.new_record(kind, inp, out, group)
-        found = self.store.standalone_output(inp) if self.store else None
-        why_not = _why_not_produce(found, out) if found is not None else (
-            "its input is not the pending output of a matmul"
-        )
-        if found is not None and why_not is None:
-            product, scatter_view = found
-            self.store.remove(product)
-            plan = ReduceScatterPlan(out, reduce_op, group, record, product=product, scatter_view=scatter_view)
-            self._issue(plan, "")
-            # NB: the producer computed only what the reduce-scatter needs. The
-            # program may still read the product's own output: it stays pending,
-            # computed in full only if something reads it, skipped otherwise.
-            product.absorbed = True
-            self.store.add_product(product)
-            return out
-        if self.store.touched([inp]) is not None:
-            self.complete_owners([inp], func)
-        plan = ReduceScatterPlan(out, reduce_op, group, record, inp=inp.contiguous())
-        self._issue(plan, why_not)
-        return out
-
-    def _issue(self, plan: ReduceScatterPlan, unfused_reason: str) -> None:
-        """Run a reduce-scatter's plan on the backend now, and account for it."""
-        with _profiler_range(f"eagertp::{plan.name}"):
-            label = self._run_scatter(plan)
-        if plan.fused:
-            self.matmul_work += 1
-            self.stats[plan.name] += 1
-            self.trace.mark_fused(plan.record, plan.fused_with(), label)
-        else:
-            self.stats[f"unfused_{plan.kind}"] += 1
-            self.trace.mark_unfused(plan.record, unfused_reason, label)
-        self.trace.event(f"{plan.render()} [{label}]")
-
-    def _run_scatter(self, plan: ReduceScatterPlan) -> str:
-        """Run a reduce-scatter's plan on the backend now (verified with
-        ``verify=True``); the backend's label for explain()."""
-        with self.issuing_work():
-            if self.verify:
-                # NB: before the backend is chosen (see start_gather).
-                _check_ranks_agree(plan.signature(), plan.group)
-            backend, label = self._choose_backend(plan.buffer, plan.group)
-            plan.run(backend)
-            if self.verify:
-                for what, got, want, exact in plan.checks():
-                    _check_equal(what, got, want, plan.group, exact=exact)
-        return label
-
-    # -- all-reduce --------------------------------------------------------
-
-    # Note [Matmul + all-reduce]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # TP without sequence parallel all-reduces a row-parallel linear's output
-    # (and, in backward, a column-parallel linear's input gradient). Fuse::
-    #
-    #     C = mm(A, B)                          # or addmm, _scaled_mm, a sum of them, their cast
-    #     C = all_reduce(C, op, group)          # funcol, all_reduce_, dist.all_reduce
-    #
-    # into its two halves, both started at the program point by one backend
-    # call (``Backend.start_all_reduce``), with the result viewed as rows [M, N]:
-    #
-    #     shard = reduce_scatter(C, op)         # produced chunk by chunk: ReduceScatterPlan
-    #                                           # with C's product as producer, written into
-    #                                           # rows [rank*m, (rank+1)*m) of the result
-    #     result = all_gather(shard)            # started at once: a gather in flight into
-    #                                           # the result itself
-    #
-    # Each element is reduced once, by the rank that owns its rows, then copied
-    # to every rank: all ranks hold the same bits. The gather half is a gather
-    # in flight like any other: a following matmul on the all-reduced tensor
-    # binds to it and runs chunk by chunk as the reduced shards land. On 2
-    # ranks, rank 0 (``P[c]``: C's rows of chunk c; ``mm[i]``: a following
-    # matmul on rank i's reduced rows)::
-    #
-    #     program: C = A @ B   all_reduce(C)  ....................... D = C @ W   read(D)
-    #     comm:                [ send P[1] ][ recv ][ AG: -> 1, <- 1 ........ ]
-    #     compute:             [ P[1] ]  [ P[0] ][+]       (other work)     [ mm[0] ][ mm[1] ]
-    #
-    # On 2 ranks the ring interleaves the halves, in pieces: each reduced piece
-    # of this rank's rows goes out as soon as it is added (Note [Interleaved
-    # all-reduce] in eagertp.backends.ring). The messages depend on the shapes
-    # only, whatever fuses with either half (Invariant 2): an input that is not
-    # a pending product (or that pending work reads, in place) takes the same
-    # messages with its chunks copied, unfused with the reason, as a peer may
-    # fuse its own. Issued as written (with the reason), for reasons every rank
-    # shares: rows that do not split over the ranks, a reduce op without a
-    # point-to-point implementation, the size rule.
-
-    def all_reduce(
-        self,
-        func: torch._ops.OpOverload,
-        args: tuple,
-        kwargs: dict,
-        inp: torch.Tensor,
-        reduce_op: str,
-        group: dist.ProcessGroup,
-        *,
-        in_place: bool,
-    ) -> Any:
-        """Run an all-reduce on a managed group now: fused with the pending
-        product that makes its input where there is one (Note [Matmul +
-        all-reduce]), else as the program wrote it. ``in_place``: the result is
-        ``inp`` itself (``all_reduce_``, raw c10d), else a new tensor."""
-        world = group.size()
-        kind = f"all_reduce({reduce_op})"
-        as_written = self._why_all_reduce_as_written(inp, reduce_op, world, in_place)
-        if as_written is not None:
-            signature = f"{kind} of {tensor_str(inp)}"
-            return self.issue_as_is(func, args, kwargs, kind, inp, group, as_written, signature)
-        result = inp if in_place else self.placeholder(inp, inp.shape)
-        rows = result.view(-1, result.shape[-1])  # [M, N]: a product's rows, whatever view it is reduced in
-        m = rows.shape[0] // world
-        shard = rows[group.rank() * m : (group.rank() + 1) * m]  # this rank's reduced rows
-        record = self.new_record(kind, inp, result, group)
-        found = self.store.standalone_output(inp) if self.store else None
-        why_not = self._why_not_fuse_all_reduce(found, shard, inp, in_place)
-        if why_not is None:
-            product, _ = found
-            self.store.remove(product)
-            plan = ReduceScatterPlan(shard, reduce_op, group, record, product=product)
-        else:
-            # NB: still the ring's messages (Invariant 2): a peer may fuse its own.
-            if self.store.touched([inp]) is not None:
-                self.complete_owners([inp], func)
-            # In place, the ring overwrites inp as it goes: verify's reference reads a copy.
-            src = inp.clone() if in_place and self.verify else inp.contiguous()
-            plan = ReduceScatterPlan(shard, reduce_op, group, record, inp=src.view(rows.shape))
-        # The gather half: a gather in flight into the result, sharing the record.
-        gather = PendingGather(
-            shard, rows, group, self.store.next_tid(), record, work_at_start=self.matmul_work, half_of_all_reduce=True
-        )
-        with _profiler_range(f"eagertp::{'matmul_' if plan.fused else ''}all_reduce"), self.issuing_work():
-            if self.verify:
-                _check_ranks_agree(f"{kind} of {tensor_str(rows)}", group)  # NB: before the backend is chosen
-            backend, gather.backend = self._choose_backend(shard, group)
-            gather.handle = backend.start_all_reduce(plan.producer(), rows, group, reduce_op)
-            if self.verify:
-                for what, got, want, exact in plan.checks():  # this rank's reduced rows
-                    _check_equal(what, got, want, group, exact=exact)
-                self._gather_reference(gather)
-        self._add_gather(gather)
-        if not plan.fused:
-            self.stats["unfused_all_reduce"] += 1
-            self.trace.mark_unfused(record, why_not, gather.backend)
-            self.trace.event(f"all_reduce({reduce_op}, {record.src}) [{gather.backend}]")
-            return result
-        if not in_place:
-            # NB: as after a fused reduce-scatter, the product's own output
-            # stays readable (computed in full only if read). In place, the
-            # all-reduce overwrote it: nothing can read it any more.
-            product.absorbed = True
-            self.store.add_product(product)
-        self.matmul_work += 1
-        self.stats["matmul_all_reduce"] += 1
-        self.trace.mark_fused(record, plan.fused_with(), gather.backend)
-        self.trace.event(f"matmul_all_reduce({reduce_op}, ${product.tid}) [{gather.backend}]")
-        return result
-
-    def _why_all_reduce_as_written(self, inp: torch.Tensor, reduce_op: str, world: int, in_place: bool) -> str | None:
-        """Why an all-reduce of ``inp`` is issued as the program wrote it, if it
-        is: reasons that read shapes only, so that every rank decides alike."""
-        if reduce_op not in REDUCE_OPS:
-            return f"reduce_op {reduce_op!r} has no point-to-point implementation"
-        too_small = self.backend.size_rule(inp.device.type, "all_reduce", inp.nbytes // world)
-        if too_small is not None:
-            return too_small
-        if inp.numel() == 0:
-            return "it is empty"
-        if inp.dim() < 2 or inp.numel() // inp.shape[-1] % world:
-            return f"the rows of {tensor_str(inp)} (all dims but the last) do not split over {world} ranks"
-        if in_place and not inp.is_contiguous():
-            return f"it reduces a non-contiguous {tensor_str(inp)} in place"
-        return None
-
-    def _why_not_fuse_all_reduce(
-        self,
-        found: tuple[Product, ScatterView | None] | None,
-        shard: torch.Tensor,
-        inp: torch.Tensor,
-        in_place: bool,
-    ) -> str | None:
-        """Why the ring all-reduce of ``inp`` cannot produce its chunks from a
-        pending product, if it cannot (then it copies them from ``inp``)."""
-        if found is None or found[1] is not None:
-            return "its input is not the pending output of a matmul"
-        if in_place and self.store.is_input(inp):
-            return "pending work reads the tensor it overwrites"
-        return _why_not_produce(found, shard)
-
     # -- collectives issued as written -------------------------------------
 
     def issue_as_is(
@@ -809,7 +595,7 @@ class Engine:
             self.complete_for(func, args, kwargs)
         if self.verify:
             with self.issuing_work():
-                _check_ranks_agree(signature, group)
+                check_ranks_agree(signature, group)
         result = func(*args, **kwargs)
         dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
         record = self.new_record(kind, src, dst, group)
@@ -829,18 +615,7 @@ def _matmuls(n: int) -> str:
     return f"{n} matmul{'s' if n != 1 else ''}"
 
 
-def _why_not_produce(found: tuple[Product, ScatterView | None], out: torch.Tensor) -> str | None:
-    """Why a reduce-scatter cannot produce its chunks from this product, if it cannot."""
-    product, scatter_view = found
-    if scatter_view is None and out.numel() % product.out.shape[1]:
-        return (
-            f"its chunks {tensor_str(out)} are not whole rows of the matmul output "
-            f"{tensor_str(product.out)}"
-        )
-    return None
-
-
-def _profiler_range(name: str) -> contextlib.AbstractContextManager:
+def profiler_range(name: str) -> contextlib.AbstractContextManager:
     """A named range in profiler traces; nothing (not even two dispatched ops)
     when no profiler runs."""
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
@@ -907,7 +682,7 @@ def _matmul_out_dtype(
     return None, f"bias {tensor_str(bias)} does not broadcast to {list(out_shape)}"
 
 
-def _check_ranks_agree(signature: str, group: dist.ProcessGroup) -> None:
+def check_ranks_agree(signature: str, group: dist.ProcessGroup) -> None:
     """verify=True: every rank issues the same collective, or all raise the same
     clear error (instead of mismatched messages, which gloo answers by aborting
     the process and NCCL by hanging or corrupting)."""
@@ -922,9 +697,10 @@ def _check_ranks_agree(signature: str, group: dist.ProcessGroup) -> None:
         )
 
 
-def _check_equal(
+def check_equal(
     what: str, got: torch.Tensor, want: torch.Tensor, group: dist.ProcessGroup, *, exact: bool
 ) -> None:
+    """verify=True: ``got`` equals plain eager's ``want``, or a clear error names ``what``."""
     try:
         if exact:
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

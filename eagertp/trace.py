@@ -52,7 +52,7 @@ class CollectiveRecord:
     # A gathered row-wise FP8 scale: the fused matmuls it is scale_a of.
     scale_of: list[str] | None = None
     # A fused all-reduce: the matmuls its all-gather half fed, once completed
-    # (Note [Matmul + all-reduce] in eagertp.engine).
+    # (Note [Matmul + all-reduce] in eagertp.collectives.all_reduce).
     gather_half_with: list[str] | None = None
 
     def render(self) -> str:

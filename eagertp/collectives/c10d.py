@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from eagertp.collectives.all_reduce import all_reduce
+from eagertp.collectives.reduce_scatter import reduce_scatter
 from eagertp.engine import Engine
 from eagertp.patterns import gather_signature
 from eagertp.table import register
@@ -77,13 +79,14 @@ def _c10d_reduce_scatter(engine: Engine, func, args, kwargs):
     if inp.dim() == 0 or inp.shape[0] % world or not output.is_contiguous() or output.numel() * world != inp.numel():
         return engine.run_plain(func, args, kwargs)  # plain eager accepts it or raises
     out = output.view(inp.shape[0] // world, *inp.shape[1:])
-    result = engine.reduce_scatter(func, args, kwargs, inp, name, group, out=out)
+    result = reduce_scatter(engine, func, args, kwargs, inp, name, group, out=out)
     return result if isinstance(result, tuple) else (output, _work(output))
 
 
 @register([c10d_ops.allreduce_.default])
 def _c10d_all_reduce(engine: Engine, func, args, kwargs):
-    """``dist.all_reduce(t, op, group)``, in place (Note [Matmul + all-reduce])."""
+    """``dist.all_reduce(t, op, group)``, in place (Note [Matmul + all-reduce] in
+    ``eagertp.collectives.all_reduce``)."""
     tensors, process_group, reduce_op = args[:3]
     group = _c10d_group(engine, func, process_group)
     if group is None:
@@ -93,5 +96,5 @@ def _c10d_all_reduce(engine: Engine, func, args, kwargs):
     if len(tensors) != 1 or sparse is not None:
         return engine.run_plain(func, args, kwargs)  # not dist.all_reduce of one dense tensor
     (t,) = tensors
-    result = engine.all_reduce(func, args, kwargs, t, name, group, in_place=True)
+    result = all_reduce(engine, func, args, kwargs, t, name, group, in_place=True)
     return result if isinstance(result, tuple) else (tensors, _work(t))
