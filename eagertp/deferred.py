@@ -159,6 +159,7 @@ import collections
 import dataclasses
 import enum
 import itertools
+import math
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -250,9 +251,16 @@ class GatheredView:
                 per_shard_row = per_rank // self.shard_rows
                 start, stop = start + rows.start * per_shard_row, start + rows.stop * per_shard_row
             return t[start:stop]
+        return self.runs_of(t, src, rows).reshape(-1, t.shape[-1])
+
+    def runs_of(self, t: torch.Tensor, src: int, rows: slice | None = None) -> torch.Tensor:
+        """``rows_of`` as runs of contiguous rows, a view ``[runs, rows per run,
+        X]``: along dim d > 0 one run per index of the dims before d."""
         lead = self.tensor.shape[:-1]
         block = t.reshape(*lead, t.shape[-1]).narrow(self.dim, src * self.block, self.block)
-        return (block if rows is None else block[rows]).reshape(-1, t.shape[-1])
+        if rows is not None:
+            block = block[rows]
+        return block.reshape(math.prod(block.shape[: self.dim]), -1, t.shape[-1])
 
     def aligned(self, t: torch.Tensor) -> bool:
         """True if every shard row makes whole rows of ``t`` (a row view of this

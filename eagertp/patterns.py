@@ -426,11 +426,17 @@ def _rows_part(mm: PendingMatmul, view: GatheredView, scale_rows: ScaleRows | No
     def rows_part(piece: torch.Tensor, src: int, rows: slice) -> None:
         piece = view.data(piece, src, rows)
         g = piece.view(mm.gathered_dtype or piece.dtype).reshape(-1, c)
-        out = view.rows_of(mm.out, src, rows) if view.dim == 0 else None  # contiguous rows
-        res = torch.empty((g.shape[0], n), dtype=mm.out.dtype, device=g.device) if out is None else out
         scale_a = None if scale_rows is None else scale_rows(src, rows)
-        mm.compute(g, mm.b, res, lambda t: view.rows_of(t, src, rows), scale_a=scale_a)
-        if out is None:  # rows R are strided in mm.out: place them
+        if view.dim == 0:  # rows R are contiguous in mm.out
+            mm.compute(g, mm.b, view.rows_of(mm.out, src, rows), lambda t: view.rows_of(t, src, rows), scale_a=scale_a)
+        elif scale_a is None:
+            # Rows R are runs of contiguous rows in mm.out (and in g): one
+            # matmul per run, written in place.
+            out_runs = view.runs_of(mm.out, src, rows)
+            mm.compute(g.view(out_runs.shape[0], -1, c), mm.b, out_runs, lambda t: view.runs_of(t, src, rows))
+        else:  # computed as one matrix, then placed
+            res = torch.empty((g.shape[0], n), dtype=mm.out.dtype, device=g.device)
+            mm.compute(g, mm.b, res, lambda t: view.rows_of(t, src, rows), scale_a=scale_a)
             out_rows = mm.out.view(*lead, n).narrow(view.dim, src * view.block, view.block)[rows]
             out_rows.copy_(res.view(out_rows.shape))
 
