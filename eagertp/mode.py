@@ -79,4 +79,6 @@ def _has_dispatch_override(t: type) -> bool:
 
 
 # Note [Dispatch without Dynamo's wrapper]
-set_code_exec_strategy(EagerTPMode.__torch_dispatch__.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+set_code_exec_strategy(
+    EagerTPMode.__torch_dispatch__.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+)

@@ -290,7 +290,7 @@ class ReduceScatterPlan:
                 product.compute_cols(slice(c * block, (c + 1) * block), buf.view(-1, block), select)
 
             return self._in_pieces(produce_chunk, block)
-        blocks = 1  # runs of contiguous operand rows that make one chunk
+        runs = 1  # runs of contiguous operand rows that make one chunk
         if sv is None:
             m = self.out.numel() // n  # rows per chunk
 
@@ -300,22 +300,25 @@ class ReduceScatterPlan:
         else:
             # Chunk c holds the rows of out.view(sv.shape) whose index along
             # sv.dim lies in block c: select the same rows of every operand.
-            # They are `blocks` runs of contiguous rows, one per index of the
+            # They are `runs` runs of contiguous rows, one per index of the
             # dims before sv.dim ([B, S/W, K] of [B, S, K]: B runs).
             lead, block = sv.shape[:-1], sv.shape[sv.dim] // sv.world
-            blocks = math.prod(lead[: sv.dim])
+            runs = math.prod(lead[: sv.dim])
 
-            def runs_for(c: int) -> RowSelect:  # [blocks, rows per run, X]: views, no copy
-                return lambda t: t.reshape(*lead, t.shape[-1]).narrow(sv.dim, c * block, block).reshape(blocks, -1, t.shape[-1])
+            def runs_for(c: int) -> RowSelect:  # [runs, rows per run, X]: views, no copy
+                def runs_of(t: torch.Tensor) -> torch.Tensor:
+                    return t.reshape(*lead, t.shape[-1]).narrow(sv.dim, c * block, block).reshape(runs, -1, t.shape[-1])
+
+                return runs_of
 
             def select_for(c: int) -> RowSelect:  # the runs as one matrix: a copy
                 return lambda t: runs_for(c)(t).reshape(-1, t.shape[-1])
 
         def produce_chunk(c: int, buf: torch.Tensor, select: RowSelect) -> None:
-            if blocks > 1 and select is all_rows:
+            if runs > 1 and select is all_rows:
                 # NB: one matmul per run of rows, written in place, rather than
                 # copying the strided rows of every operand into one matrix.
-                product.compute_rows(runs_for(c), buf.view(blocks, -1, n))
+                product.compute_rows(runs_for(c), buf.view(runs, -1, n))
                 return
             chunk = select_for(c)
             product.compute_rows(lambda t: select(chunk(t)), buf.view(-1, n))
