@@ -481,7 +481,7 @@ _COMBINE = {"sum": _add, "avg": _add, "max": _max, "min": _min, "product": _mul}
 PIECES: dict[str, tuple[int, int]] = {
     "all_gather": (2, 256 << 10),
     "reduce_scatter": (1, 64 << 10),
-    "all_reduce": (4, 512 << 10),
+    "all_reduce": (2, 512 << 10),
 }
 
 
