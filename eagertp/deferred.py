@@ -222,7 +222,7 @@ class GatheredView:
         """False if nothing but this view can reach its placeholder (the
         program dropped the cat funcol made, as a matmul's operand only): then
         filling it would be a copy nobody can see."""
-        return _python_refs(self.tensor) > _ONLY_HELD or not _unshared(self.tensor)
+        return not _held_by_item_only(self.tensor)
 
     def fill(self, piece: torch.Tensor, src: int, rows: slice) -> None:
         """Copy (or cast) rows ``rows`` of rank ``src``'s shard into place (the
@@ -569,7 +569,7 @@ def _render_matmul(
 
 
 def _python_refs(t: torch.Tensor) -> int:
-    """References to ``t``: the caller's, this parameter and getrefcount's argument."""
+    """References to ``t`` seen from inside a function called with it."""
     return sys.getrefcount(t)
 
 
@@ -578,32 +578,32 @@ class _Holder:
         self.out = t
 
 
-# What _python_refs(item.out) reads when only the item holds the tensor, measured
-# the same way so that interpreter details cancel out.
+# What sys.getrefcount(t) reads inside a function called as f(item.out) when
+# only the item holds the tensor, measured the same way so that interpreter
+# details cancel out.
 _holder = _Holder(torch.empty(0))
 _ONLY_HELD = _python_refs(_holder.out)
 del _holder
 
 
-def _unobserved(product: Product) -> bool:
-    """True if nothing but this pending item can reach its placeholders.
-    Then computing it would be work that nobody can observe."""
-    if _python_refs(product.out) > _ONLY_HELD:
-        return False
-    if any(_python_refs(sv.tensor) > _ONLY_HELD for sv in product.scatter_views):
-        return False
-    return all(_unshared(t) for t in (product.out, *(sv.tensor for sv in product.scatter_views)))
-
-
-def _unshared(t: torch.Tensor) -> bool:
-    """No C++ holder (autograd), no view sharing the storage, no weak reference
-    (which could bring the tensor back) of a placeholder the caller holds once."""
+def _held_by_item_only(t: torch.Tensor) -> bool:
+    """True if nothing but the pending item whose attribute ``t`` is (called as
+    ``_held_by_item_only(item.attr)``) can reach it: no other Python reference,
+    no C++ holder (autograd), no view sharing its storage, no weak reference
+    (which could bring it back)."""
     # NB: untyped_storage() makes a Python storage object: one more use while it lives.
     return (
-        t._use_count() == 1
+        sys.getrefcount(t) <= _ONLY_HELD  # NB: called as _python_refs is: see _ONLY_HELD
+        and t._use_count() == 1
         and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
         and not weakref.getweakrefcount(t)
     )
+
+
+def _unobserved(product: Product) -> bool:
+    """True if nothing but this pending item can reach its placeholders.
+    Then computing it would be work that nobody can observe."""
+    return _held_by_item_only(product.out) and all(_held_by_item_only(sv.tensor) for sv in product.scatter_views)
 
 
 @dataclasses.dataclass(eq=False)
