@@ -652,8 +652,8 @@ class PendingGather:
         return list(found.values())
 
     def inputs(self) -> list[torch.Tensor]:
-        # NB: not the shard: the backend copied it when the gather started, so the
-        # program may overwrite it at once.
+        # NB: not the shard: a write to it waits for the sends that read it
+        # and leaves the gather pending (Note [Sends from the shard] in eagertp.engine).
         return [t for mm in self.consumers for t in mm.inputs()]
 
 
@@ -674,6 +674,9 @@ class PendingStore:
         self.items: list[Pending] = []
         self._owner: dict[int, Pending] = {}  # placeholder storage -> item
         self._inputs: collections.Counter[int] = collections.Counter()  # storages pending work reads
+        # shard storage -> the program's gathers in flight that may still send
+        # from it (Note [Sends from the shard] in eagertp.engine)
+        self.sending: dict[int, list[PendingGather]] = {}
         self._ids = itertools.count()
 
     def __bool__(self) -> bool:
@@ -685,6 +688,8 @@ class PendingStore:
     def add_gather(self, gather: PendingGather) -> None:
         self.items.append(gather)
         self._owner[storage_key(gather.out)] = gather
+        if not gather.half_of_all_reduce:  # whose shard is its own placeholder's rows
+            self.sending.setdefault(storage_key(gather.shard), []).append(gather)
 
     def add_gathered_view(self, gather: PendingGather, view: GatheredView) -> None:
         gather.views.append(view)
@@ -716,6 +721,8 @@ class PendingStore:
         self.items.remove(item)
         for t in _placeholders(item):
             del self._owner[storage_key(t)]
+        if isinstance(item, PendingGather) and not item.half_of_all_reduce:
+            self.stop_sending(item)
         inputs = self._inputs
         for t in item.inputs():
             key = storage_key(t)
@@ -725,6 +732,19 @@ class PendingStore:
 
     def owner(self, t: torch.Tensor) -> Pending | None:
         return self._owner.get(storage_key(t))
+
+    def sending_from(self, t: torch.Tensor) -> list[PendingGather]:
+        """The gathers in flight that may still send from ``t``'s storage."""
+        return self.sending.get(storage_key(t), [])
+
+    def stop_sending(self, gather: PendingGather) -> None:
+        """``gather`` reads its shard no more: released, or completed."""
+        key = storage_key(gather.shard)
+        gathers = self.sending.get(key, [])
+        if gather in gathers:
+            gathers.remove(gather)
+            if not gathers:
+                del self.sending[key]
 
     def owners(self, tensors: Iterable[torch.Tensor]) -> list[Pending]:
         """The pending items that own any of ``tensors``, in record order."""

@@ -165,11 +165,39 @@ class Engine:
     def complete_for(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
         """Complete what ``func`` needs: the pending items it reads (a view op
         reads nothing), or everything if it writes an input of pending work."""
+        if self.store.sending:
+            self.release_shards(func, args, kwargs)
         tensors = tensor_leaves(args, kwargs)
-        if func._schema.is_mutable and any(self.store.is_input(t) for t in tensors):
+        if any(self.store.is_input(t) for t in written_tensors(func, args, kwargs)):
             self.flush(Reason("{} wrote an input of pending work", func))
         elif self.store.touched(tensors) is not None and not _is_metadata_only(func):
             self.complete_owners(tensors, func)
+
+    # Note [Sends from the shard]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The ring sends a gather's shard from the program's tensor itself, so the
+    # first piece leaves at once; this rank's chunk of the result is copied
+    # while it travels. (Copying first delayed the first send by about 0.3 ms
+    # per 2 MiB under load, benchmarks/NOTES.md.) The program may still
+    # overwrite the shard as soon as the gather is issued, so every op that
+    # writes a tensor (in place, out=, an in-place collective) first waits for
+    # the sends from the gathers in flight whose shard shares its storage
+    # (``PendingStore.sending``), and only those: the gathers stay in flight
+    # and their consumers pending. The trace says so ("wait: ... wrote the
+    # shard of $i"). Writes no op shows the mode (another thread, .data under
+    # no_dispatch) are the program's race, as they are with plain eager's async
+    # collectives on NCCL.
+
+    def release_shards(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+        """Before ``func`` writes the shard of gathers in flight: wait until
+        they send from it no more, and leave them pending (Note [Sends from
+        the shard])."""
+        for t in written_tensors(func, args, kwargs):
+            for gather in list(self.store.sending_from(t)):
+                self.trace.event("wait: {} wrote the shard of ${}: its sends complete first", func, gather.tid)
+                with self.issuing_work():
+                    gather.handle.release_shard()
+                self.store.stop_sending(gather)
 
     def complete_owners(self, tensors: Sequence[torch.Tensor], func: Any, why: str | None = None) -> None:
         """Complete the pending items that own any of ``tensors``, and only
@@ -598,6 +626,8 @@ class Engine:
                 check_ranks_agree(signature, group)
         result = func(*args, **kwargs)
         dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
+        if isinstance(dst, list):  # raw c10d's all-reduce: ([tensor], work)
+            (dst,) = dst
         record = self.new_record(kind, src, dst, group)
         self.stats[f"unfused_{kind.split('(')[0]}"] += 1
         self.trace.mark_unfused(record, reason)
@@ -629,6 +659,33 @@ _PENDING_PASSTHROUGH = frozenset({torch.ops.aten._unsafe_view.default})
 @functools.cache  # NB: asked for every op that touches pending work
 def _is_metadata_only(func: torch._ops.OpOverload) -> bool:
     return func in _PENDING_PASSTHROUGH or (func.is_view and not func._schema.is_mutable)
+
+
+@functools.cache
+def _written_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``func`` writes: ``Tensor(a!)`` in
+    its schema, or the first argument of a c10d in-place collective, whose
+    schemas do not say so (``c10d::allreduce_(Tensor[] tensors, ...)``)."""
+    schema = func._schema
+    if func.namespace == "c10d" and schema.name.endswith("_") and schema.name != "c10d::monitored_barrier_":
+        return ((0, schema.arguments[0].name),)
+    return tuple(
+        (i, arg.name) for i, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write
+    )
+
+
+def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes: in place, ``out=``, the lists of
+    ``_foreach_*_``, the outputs of c10d's collectives (lists of lists too)."""
+    found: list[torch.Tensor] = []
+    pending = [args[i] if i < len(args) else kwargs.get(name) for i, name in _written_args(func)]
+    while pending:
+        a = pending.pop()
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            pending.extend(a)
+    return found
 
 
 @functools.cache

@@ -69,6 +69,8 @@ class EagerTPMode(TorchDispatchMode):
             if not engine.store.items:
                 return func(*args, **kwargs)
             return engine.run_plain(func, args, kwargs)
+        if engine.store.sending:  # an in-place collective may write a shard in flight
+            engine.release_shards(func, args, kwargs)
         return handler(engine, func, args, kwargs)
 
 

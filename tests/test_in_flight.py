@@ -205,17 +205,76 @@ def test_reading_one_gather_leaves_the_other_in_flight_for_its_consumers(pool, b
         assert r["plain_all_gathers"] == 0, r
 
 
-def _overwritten_shard_worker(rank, group, backend="auto"):
+# How a program may overwrite a shard right after gathering it: every kind of
+# write the mode sees (Note [Sends from the shard] in eagertp.engine).
+_SHARD_WRITES = {
+    "in place": lambda x, group: x.add_(100),
+    "out=": lambda x, group: torch.mul(x, 3, out=x),
+    "foreach": lambda x, group: torch._foreach_add_([x], 100),
+    "copy_": lambda x, group: x.copy_(torch.zeros_like(x)),
+    "in-place collective": lambda x, group: torch.distributed.all_reduce(x, group=group),
+}
+
+
+class _LateReadingGather:
+    """The reference gather, reading its shard only when released or
+    consumed: a write that the engine let through without releasing the
+    shard first changes the result, every time (on the ring it is a race)."""
+
+    def __init__(self, shard, ag_out, group) -> None:
+        self._shard, self._ag_out, self._group = shard, ag_out, group
+        self._copy = None
+        self.releases = 0
+
+    def release_shard(self) -> None:
+        self.releases += 1
+        if self._copy is None:
+            self._copy = self._shard.clone()
+
+    def wait_chunk(self, src) -> None:
+        raise AssertionError("no scale gathers here")
+
+    def landed(self):
+        return False
+
+    def consume(self, consumer) -> None:
+        from eagertp.backends.base import consume_in_order
+        from eagertp.backends.reference import all_gather_single
+
+        shard = self._shard if self._copy is None else self._copy
+        all_gather_single(self._ag_out, shard, group=self._group)
+        consume_in_order(consumer, self._ag_out.view(self._group.size(), *shard.shape))
+
+
+def _overwritten_shard_worker(rank, group, backend="auto", write="in place"):
     """The gather reads its shard where the program issued it: overwriting the
-    shard afterwards changes nothing (the backend copied it at the start)."""
+    shard afterwards changes nothing. The ring sends from the shard itself, so
+    the write first waits for those sends; the gather stays fused."""
+    from eagertp.backends.reference import ReferenceBackend
+
     x = integer_tensor((4, 8), F32, seed=rank)
     w = integer_tensor((8, 6), F32, seed=3)
     expected = torch.cat([integer_tensor((4, 8), F32, seed=r) for r in range(group.size())]) @ w
-    with EagerMicroPipeline(backend=backend) as pipe:
+    handles = []
+
+    class LateReading(ReferenceBackend):
+        def start_all_gather(self, shard, ag_out, group):
+            handles.append(_LateReadingGather(shard, ag_out, group))
+            return handles[-1]
+
+    pipe = EagerMicroPipeline(backend=backend if backend != "late" else "reference")
+    if backend == "late":
+        pipe._engine.backend._instances["reference"] = LateReading()
+    with pipe:
         ag = all_gather(x, group)
-        x.add_(100)
+        _SHARD_WRITES[write](x, group)
         y = (ag @ w).clone()
-    return {"ok": torch.equal(y, expected), "stats": dict(pipe.stats)}
+    return {
+        "ok": torch.equal(y, expected),
+        "stats": dict(pipe.stats),
+        "waits": [e for e in pipe.debug_string().splitlines() if "wrote the shard" in e],
+        "releases": [h.releases for h in handles],
+    }
 
 
 @pytest.mark.parametrize("backend", [*BOTH_BACKENDS, "reference"])
@@ -227,6 +286,55 @@ def test_overwriting_the_shard_after_the_gather_started_changes_nothing(pool, ba
     for r in results:
         assert r["ok"], r
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+        assert r["waits"] == ["wait: aten.add_.Tensor wrote the shard of $0: its sends complete first"], r
+
+
+@pytest.mark.parametrize("write", list(_SHARD_WRITES))
+def test_every_write_to_a_shard_in_flight_waits_for_its_sends(pool, write):
+    """A backend that reads the shard late: each kind of write must release it
+    first, once, and leave the gather fused."""
+    for r in pool.run(_overwritten_shard_worker, 2, "late", write):
+        assert r["ok"], r
+        assert r["releases"][0] == 1, r  # (the in-place collective's gather half is another)
+        assert r["stats"]["all_gather_matmul"] == 1, r
+        assert len(r["waits"]) == 1, r
+
+
+def _in_place_collective_on_an_input_worker(rank, group, how: str):
+    """``dist.all_reduce(w)`` while a pending consumer reads ``w``: the
+    consumer runs first, on the ``w`` the program gave it, whether eagertp
+    leaves the all-reduce alone (``how``: its group is not managed), issues
+    it as written (the size rule) or runs it on the ring. (c10d's in-place
+    collectives do not declare their writes in their schemas.)"""
+    import torch.distributed as dist
+    from multirank import OTHER_GROUPS
+
+    x = integer_tensor((4, 8), F32, seed=rank)
+    w = integer_tensor((8, 6), F32, seed=3)
+    expected = torch.cat([integer_tensor((4, 8), F32, seed=r) for r in range(group.size())]) @ w
+    options = {
+        "unmanaged": {"group": group},
+        "as written": {"min_fuse_bytes": {"all_gather": 0, "all_reduce": 1 << 30}},
+        "ring": {"min_fuse_bytes": 0},
+    }[how]
+    with EagerMicroPipeline(**options) as pipe:
+        y = all_gather(x, group) @ w
+        dist.all_reduce(w, group=OTHER_GROUPS[group.size()])
+        y = y.clone()
+    return {
+        "ok": [torch.equal(y, expected), torch.equal(w, integer_tensor((8, 6), F32, seed=3) * group.size())],
+        "stats": dict(pipe.stats),
+        "flushes": [e for e in pipe.debug_string().splitlines() if e.startswith("flush")],
+    }
+
+
+@pytest.mark.parametrize("how", ["unmanaged", "as written", "ring"])
+def test_an_in_place_collective_on_an_input_of_pending_work_completes_it_first(pool, how):
+    for r in pool.run(_in_place_collective_on_an_input_worker, 2, how):
+        assert all(r["ok"]), r
+        assert r["stats"]["all_gather_matmul"] == 1, r
+        assert r["stats"].get("unfused_all_reduce", 0) == (how != "unmanaged"), r
+        assert r["flushes"][0] == "flush: c10d.allreduce_.default wrote an input of pending work", r
 
 
 def _landed_worker(rank, group):

@@ -86,6 +86,13 @@ class GatherHandle(Protocol):
         tell cheaply (Note [Landed gathers] in eagertp.patterns)."""
         ...
 
+    def release_shard(self) -> None:
+        """Return once the transfer reads nothing of ``shard`` any more (on
+        CUDA: in the current stream's order), so that the caller may
+        overwrite it; the gather stays in flight. Any number of calls, before
+        ``consume`` (Note [Sends from the shard] in eagertp.engine)."""
+        ...
+
 
 class Backend(Protocol):
     """The contract every backend implements (see eagertp.backends)."""
@@ -94,9 +101,9 @@ class Backend(Protocol):
 
     def start_all_gather(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> GatherHandle:
         """Start ``ag_out = all_gather(shard, group)`` (gather dim 0) now. The
-        caller may overwrite ``shard`` as soon as this returns (the backend has
-        copied it into ``ag_out``'s own chunk, or elsewhere); ``ag_out`` belongs
-        to the backend until the handle is consumed."""
+        backend may read ``shard`` until the handle's ``release_shard`` or
+        ``consume`` returns (the ring sends from it); ``ag_out`` belongs to the
+        backend until the handle is consumed."""
         ...
 
     def produce_reduce_scatter(

@@ -5,9 +5,10 @@ NCCL on GPUs.
 
 All-gather, started where the program issues it
 -----------------------------------------------
-``start_all_gather`` copies this rank's shard into its chunk of ``ag_out`` and
-starts moving the shards at once, straight into their chunks of ``ag_out`` (no
-staging buffer, no extra full-size copy); ``consume`` runs the consumer on this
+``start_all_gather`` starts moving the shards at once, from this rank's shard
+itself (Note [Sends from the shard] in ``eagertp.engine``) straight into their
+chunks of ``ag_out`` (no staging buffer, no extra full-size copy), then copies
+this rank's shard into its own chunk; ``consume`` runs the consumer on this
 rank's own shard, then on each peer's shard as it lands, in ring order
 (``rank - 1``, ``rank - 2``, ...). A shard may travel in pieces
 (``piece_rows``: split along dim 0 by its bytes, Note [Pieces]), each consumed
@@ -140,7 +141,6 @@ class _P2PGather:
         self._rank, self._group = rank, group
         self._what = f"all_gather of {tensor_str(shard)}"
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
-        chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
         # (the ring's order, so that sums over chunks add as they always have).
@@ -149,19 +149,27 @@ class _P2PGather:
         ops = []
         for step, src in enumerate(sources, start=1):
             dst = (rank + step) % world
-            ops += [dist.P2POp(dist.isend, chunks[rank][r], group=group, group_peer=dst) for r in rows]
+            # NB: sent from the shard itself, before its copy below (Note [Sends from the shard])
+            ops += [dist.P2POp(dist.isend, shard[r], group=group, group_peer=dst) for r in rows]
             ops += [dist.P2POp(dist.irecv, chunks[src][r], group=group, group_peer=src) for r in rows]
         with peer_transfer(self._what, group, sources[0] if sources else rank):  # 2 ranks: the one peer
             works = dist.batch_isend_irecv(ops) if ops else []
+        chunks[rank].copy_(shard)  # while the shard is on its way
         # (work, the peer it waits for): Note [Waiting on a peer]
         if len(works) == len(ops):  # gloo: one Work per op
             self._recvs = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.irecv]
             self._rest = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.isend]
         else:  # NCCL coalesces a batch into one Work: the first piece waits for all
             self._recvs, self._rest = [], [(w, sources[0]) for w in works]
-        # NB: a gloo receive's Work may be waited for once only (a second wait
-        # waits for another message): wait_chunk and consume share these flags.
+        # NB: a gloo Work may be waited for once only (a second wait waits for
+        # another message): wait_chunk and consume share these flags, and
+        # release_shard and consume share the sends.
         self._received = [False] * len(self._recvs)
+
+    def release_shard(self) -> None:
+        self._wait(self._rest)
+        if self._recvs:  # gloo: the sends, waited for once (NCCL: the batch's one Work)
+            self._rest = []
 
     def _wait_piece(self, i: int) -> None:
         if not self._received[i]:
@@ -216,7 +224,6 @@ class _ThreadedRing:
         self._rank = rank
         self._links = _Links(group, f"all_gather of {tensor_str(shard)}", tag)
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
-        chunks[rank].copy_(shard)  # NB: the sends read this copy: the program may overwrite shard now
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         sources = [(rank - step) % world for step in range(1, world)]
         # Piece p: rows of shard sources[p // len(rows)], in the order they land.
@@ -226,9 +233,12 @@ class _ThreadedRing:
         self._failure: BaseException | None = None
         self._driven = 0  # pieces received (and forwarded) so far
         self._stop = False  # set by consume() to drive the rest itself
-        # Step 0 from this thread: this rank's shard goes out, the first shard's pieces are posted.
-        self._sends = [self._links.isend(chunks[rank][r]) for r in rows]
+        # Step 0 from this thread: this rank's shard goes out, from the shard
+        # itself (Note [Sends from the shard]), the first shard's pieces are posted.
+        self._shard_sends = [self._links.isend(shard[r]) for r in rows]
         self._recvs = {p: self._links.irecv(chunks[src][r]) for p, (src, r) in enumerate(self._pieces[: len(rows)])}
+        chunks[rank].copy_(shard)  # while the shard is on its way
+        self._sends: list[dist.Work] = []  # the forwards, appended by whichever thread drives the ring
         self._thread = threading.Thread(target=self._helper, name="eagertp-ring", daemon=True)
         self._thread.start()
 
@@ -280,8 +290,13 @@ class _ThreadedRing:
             if consumer is not None:
                 consumer(chunks[src][rows], src, rows)
         self._thread.join()
+        self.release_shard()
         self._links.wait_sent(self._sends)
         self._sends = []
+
+    def release_shard(self) -> None:
+        self._links.wait_sent(self._shard_sends)  # NB: gloo's Work: waited for once
+        self._shard_sends = []
 
     def landed(self) -> bool | None:
         return all(event.is_set() for event in self._landed)
@@ -422,8 +437,12 @@ class _InterleavedAllReduce:
             self._wait_piece(i)
             if consumer is not None:
                 consumer(chunks[self._peer][r], self._peer, r)
-        self._links.wait_sent(self._sends)
-        self._sends, self._reduced, self._sent = [], [], None
+        self.release_shard()
+        self._reduced, self._sent = [], None
+
+    def release_shard(self) -> None:
+        self._links.wait_sent(self._sends)  # NB: gloo's Work: waited for once
+        self._sends = []
 
     def landed(self) -> bool | None:
         if self._chunks.device.type == "cpu":

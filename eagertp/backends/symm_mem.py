@@ -229,6 +229,9 @@ class SymmMemGather:
         # per chunk behind their events cost the host nothing: always chunked.
         return False
 
+    def release_shard(self) -> None:
+        pass  # copied into ag_out on the current stream when the gather started
+
 
 class SymmMemBackend:
     """Gathers on a communication stream over symmetric memory; torch's

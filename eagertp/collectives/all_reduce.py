@@ -20,6 +20,7 @@ from eagertp.collectives.reduce_scatter import why_not_produce
 from eagertp.deferred import PendingGather, Product, ScatterView
 from eagertp.engine import Engine, check_equal, check_ranks_agree, profiler_range
 from eagertp.patterns import ReduceScatterPlan
+from eagertp.trace import Reason
 from eagertp.table import register
 
 _c10d_functional = torch.ops._c10d_functional
@@ -69,9 +70,10 @@ def _all_reduce(engine: Engine, func, args, kwargs):
 # of this rank's rows goes out as soon as it is added (Note [Interleaved
 # all-reduce] in eagertp.backends.ring). The messages depend on the shapes
 # only, whatever fuses with either half (Invariant 2): an input that is not
-# a pending product (or that pending work reads, in place) takes the same
-# messages with its chunks copied, unfused with the reason, as a peer may
-# fuse its own. Issued as written (with the reason), for reasons every rank
+# a pending product takes the same messages with its chunks copied, unfused
+# with the reason, as a peer may fuse its own. (Reduced in place, an input
+# that pending work reads completes that work first, as any write does.)
+# Issued as written (with the reason), for reasons every rank
 # shares: rows that do not split over the ranks, a reduce op without a
 # point-to-point implementation, the size rule.
 
@@ -97,13 +99,16 @@ def all_reduce(
     if as_written is not None:
         signature = f"{kind} of {tensor_str(inp)}"
         return engine.issue_as_is(func, args, kwargs, kind, inp, group, as_written, signature)
+    if in_place and engine.store.is_input(inp):
+        # NB: as for any op that writes what pending work reads (Engine.complete_for).
+        engine.flush(Reason("{} wrote an input of pending work", func))
     result = inp if in_place else engine.placeholder(inp, inp.shape)
     rows = result.view(-1, result.shape[-1])  # [M, N]: a product's rows, whatever view it is reduced in
     m = rows.shape[0] // world
     shard = rows[group.rank() * m : (group.rank() + 1) * m]  # this rank's reduced rows
     record = engine.new_record(kind, inp, result, group)
     found = engine.store.standalone_output(inp) if engine.store else None
-    why_not = _why_not_fuse_all_reduce(engine, found, shard, inp, in_place)
+    why_not = _why_not_fuse_all_reduce(found, shard)
     if why_not is None:
         product, _ = found
         engine.store.remove(product)
@@ -166,17 +171,9 @@ def _why_all_reduce_as_written(
     return None
 
 
-def _why_not_fuse_all_reduce(
-    engine: Engine,
-    found: tuple[Product, ScatterView | None] | None,
-    shard: torch.Tensor,
-    inp: torch.Tensor,
-    in_place: bool,
-) -> str | None:
+def _why_not_fuse_all_reduce(found: tuple[Product, ScatterView | None] | None, shard: torch.Tensor) -> str | None:
     """Why the ring all-reduce of ``inp`` cannot produce its chunks from a
     pending product, if it cannot (then it copies them from ``inp``)."""
     if found is None or found[1] is not None:
         return "its input is not the pending output of a matmul"
-    if in_place and engine.store.is_input(inp):
-        return "pending work reads the tensor it overwrites"
     return why_not_produce(found, shard)
