@@ -231,7 +231,7 @@ def _megatron_functions(reduce):
     return CopyToTP, ReduceFromTP
 
 
-def _megatron_worker(rank, group, async_op, backend_name):
+def _megatron_worker(rank, group, async_op, backend_name, min_fuse_bytes=None):
     """Megatron-style TP MLP without SP on raw c10d: f (identity forward,
     all-reduce of the input gradient in backward) before the column-parallel
     linear, g (all-reduce forward, identity backward) after the row-parallel one."""
@@ -259,7 +259,7 @@ def _megatron_worker(rank, group, async_op, backend_name):
         return [y.detach(), x.grad, p1.grad, p2.grad]
 
     expected = step(contextlib.nullcontext())
-    counter, pipe = OpCounter(), EagerMicroPipeline(backend=backend_name)
+    counter, pipe = OpCounter(), EagerMicroPipeline(backend=backend_name, min_fuse_bytes=min_fuse_bytes)
     with counter:
         got = step(pipe)
     return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], **_report(pipe, counter)}
@@ -277,7 +277,7 @@ def test_megatron_style_c10d_mlp_fuses_forward_and_backward(pool, world, async_o
         assert_moved_by(backend, r)
 
 
-def _dtensor_worker(rank, group, bias):
+def _dtensor_worker(rank, group, bias, min_fuse_bytes=None):
     """Plain ColwiseParallel + RowwiseParallel (no SP): the row-parallel output
     all-reduces in forward (Partial -> Replicate), the column-parallel input
     gradient in backward."""
@@ -303,7 +303,7 @@ def _dtensor_worker(rank, group, bias):
         return [y.detach(), x.grad, *grads]
 
     expected = step(contextlib.nullcontext())
-    counter, pipe = OpCounter(), EagerMicroPipeline()
+    counter, pipe = OpCounter(), EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes)
     with counter:
         got = step(pipe)
     return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], **_report(pipe, counter)}

@@ -259,3 +259,26 @@ def test_size_rule_issues_raw_c10d_collectives_as_written(pool, async_op):
         assert r["stats"] == {"unfused_all_gather": 1, "unfused_reduce_scatter": 1}, r
         assert r["plain_all_gathers"] == 1 and r["plain_reduce_scatters"] == 1 and r["p2p_ops"] == 0, r
         assert r["explain"].count("not fused: size rule:") == 2, r["explain"]
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_size_rule_issues_raw_c10d_all_reduces_as_written(pool, async_op):
+    """Megatron-style dist.all_reduce in autograd Functions (no SP), forward
+    and backward, under the size rule: the program's own all-reduces run."""
+    from test_all_reduce import _megatron_worker
+
+    for r in pool.run(_megatron_worker, 2, async_op, "auto", 1 << 30):
+        assert all(r["ok"]), r
+        assert r["stats"] == {"unfused_all_reduce": 2}, r
+        assert r["plain_all_reduces"] == 2 and r["p2p_ops"] == 0, r
+        assert r["explain"].count("not fused: size rule:") == 2, r["explain"]
+
+
+def test_size_rule_issues_dtensor_all_reduces_as_written(pool):
+    """Plain ColwiseParallel + RowwiseParallel (no SP) under the size rule."""
+    from test_all_reduce import _dtensor_worker
+
+    for r in pool.run(_dtensor_worker, 2, True, 1 << 30):
+        assert all(r["ok"]), r
+        assert r["stats"] == {"unfused_all_reduce": 2}, r
+        assert r["plain_all_reduces"] == 2 and r["p2p_ops"] == 0, r
