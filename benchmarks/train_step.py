@@ -109,6 +109,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--backend", default="auto", help="eagertp backend")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the size rule on this link first (eagertp.calibrate_min_fuse_bytes, k = --dim) "
+        "and run eagertp with it, as the README tells users to; default: the built-in rule",
+    )
     from eagertp.demo import add_sequence_parallel_arg
 
     add_sequence_parallel_arg(parser)
@@ -143,7 +149,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         loss = step(_NoCommunication())
     if not torch.isfinite(loss.full_tensor() if hasattr(loss, "full_tensor") else loss):
         raise RuntimeError(f"the bound's step computed a loss of {loss}: its stand-ins must keep values finite")
-    pipe = EagerMicroPipeline(backend=args.backend)
+    min_fuse_bytes = None
+    if args.calibrate:
+        from eagertp.calibrate import calibrate_min_fuse_bytes
+
+        min_fuse_bytes = calibrate_min_fuse_bytes(group, k=args.dim, repeats=5, warmup=1).min_fuse_bytes
+    pipe = EagerMicroPipeline(backend=args.backend, min_fuse_bytes=min_fuse_bytes)
     t = _harness.time_interleaved(
         {
             "t_unfused": lambda: step(contextlib.nullcontext()),
@@ -163,6 +174,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         "dim": args.dim,
         "sequence_parallel": args.sequence_parallel,
         "backend": pipe.backend,
+        "min_fuse_bytes": min_fuse_bytes,
         **t,
         "fused_ops_per_step": sum(
             stats.get(k, 0) for k in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
@@ -185,6 +197,8 @@ def main(argv=None) -> int:
         f"batch {r['batch']}, "
         f"seq {r['seq']}, dim {r['dim']}; forward + backward, median of {args.repeats}"
     )
+    if r["min_fuse_bytes"] is not None:
+        print(f"  size rule calibrated on this link: min_fuse_bytes = {r['min_fuse_bytes']}")
     print(f"  unfused eager  {r['t_unfused'] * 1e3:8.1f} ms")
     print(
         f"  eagertp        {r['t_fused'] * 1e3:8.1f} ms   ({r['t_unfused'] / r['t_fused']:.2f}x; "
