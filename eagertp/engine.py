@@ -164,11 +164,13 @@ class Engine:
 
     def complete_for(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
         """Complete what ``func`` needs: the pending items it reads (a view op
-        reads nothing), or everything if it writes an input of pending work."""
-        if self.store.sending:
-            self.release_shards(func, args, kwargs)
+        reads nothing), or everything if it writes an input of pending work;
+        first, if it writes the shard of gathers in flight, their sends."""
+        written = written_tensors(func, args, kwargs)
+        if written and self.store.sending:
+            self.release_shards(func, written)
         tensors = tensor_leaves(args, kwargs)
-        if any(self.store.is_input(t) for t in written_tensors(func, args, kwargs)):
+        if any(self.store.is_input(t) for t in written):
             self.flush(Reason("{} wrote an input of pending work", func))
         elif self.store.touched(tensors) is not None and not _is_metadata_only(func):
             self.complete_owners(tensors, func)
@@ -188,11 +190,11 @@ class Engine:
     # no_dispatch) are the program's race, as they are with plain eager's async
     # collectives on NCCL.
 
-    def release_shards(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
-        """Before ``func`` writes the shard of gathers in flight: wait until
-        they send from it no more, and leave them pending (Note [Sends from
-        the shard])."""
-        for t in written_tensors(func, args, kwargs):
+    def release_shards(self, func: torch._ops.OpOverload, written: Sequence[torch.Tensor]) -> None:
+        """Before ``func`` writes ``written``, the shard of gathers in flight
+        among them: wait until they send from it no more, and leave them
+        pending (Note [Sends from the shard])."""
+        for t in written:
             for gather in list(self.store.sending_from(t)):
                 self.trace.event("wait: {} wrote the shard of ${}: its sends complete first", func, gather.tid)
                 with self.issuing_work():
@@ -677,8 +679,11 @@ def _written_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
 def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes: in place, ``out=``, the lists of
     ``_foreach_*_``, the outputs of c10d's collectives (lists of lists too)."""
+    spec = _written_args(func)
+    if not spec:  # NB: most ops, on the path of every op while work is pending
+        return []
     found: list[torch.Tensor] = []
-    pending = [args[i] if i < len(args) else kwargs.get(name) for i, name in _written_args(func)]
+    pending = [args[i] if i < len(args) else kwargs.get(name) for i, name in spec]
     while pending:
         a = pending.pop()
         if isinstance(a, torch.Tensor):

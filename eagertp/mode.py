@@ -15,7 +15,7 @@ import eagertp.collectives.all_reduce  # noqa: F401
 import eagertp.collectives.c10d  # noqa: F401
 import eagertp.collectives.reduce_scatter  # noqa: F401
 import eagertp.matmuls  # noqa: F401
-from eagertp.engine import Engine
+from eagertp.engine import Engine, written_tensors
 from eagertp.table import HANDLERS
 
 # Subclasses that desugar into plain ops we understand: return NotImplemented so
@@ -70,7 +70,7 @@ class EagerTPMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             return engine.run_plain(func, args, kwargs)
         if engine.store.sending:  # an in-place collective may write a shard in flight
-            engine.release_shards(func, args, kwargs)
+            engine.release_shards(func, written_tensors(func, args, kwargs))
         return handler(engine, func, args, kwargs)
 
 

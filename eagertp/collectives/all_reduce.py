@@ -20,8 +20,8 @@ from eagertp.collectives.reduce_scatter import why_not_produce
 from eagertp.deferred import PendingGather, Product, ScatterView
 from eagertp.engine import Engine, check_equal, check_ranks_agree, profiler_range
 from eagertp.patterns import ReduceScatterPlan
-from eagertp.trace import Reason
 from eagertp.table import register
+from eagertp.trace import Reason
 
 _c10d_functional = torch.ops._c10d_functional
 
