@@ -277,12 +277,13 @@ def _overwritten_shard_worker(rank, group, backend="auto", write="in place"):
     }
 
 
+@pytest.mark.parametrize("world", [2, 4])  # 4 ranks on gloo: the ring on its helper thread
 @pytest.mark.parametrize("backend", [*BOTH_BACKENDS, "reference"])
-def test_overwriting_the_shard_after_the_gather_started_changes_nothing(pool, backend):
+def test_overwriting_the_shard_after_the_gather_started_changes_nothing(pool, backend, world):
     if backend == "reference":
-        results = pool.run(_overwritten_shard_worker, 2, "reference")
+        results = pool.run(_overwritten_shard_worker, world, "reference")
     else:
-        results = run_on(backend, pool, _overwritten_shard_worker, 2)
+        results = run_on(backend, pool, _overwritten_shard_worker, world)
     for r in results:
         assert r["ok"], r
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
