@@ -794,6 +794,7 @@ class PendingStore:
 
     def reset(self) -> None:
         assert not self.items, "reset with pending work would lose collectives"
+        assert not self.sending, f"gathers completed but still sending from their shards: {self.sending}"
         self._ids = itertools.count()
 
 
