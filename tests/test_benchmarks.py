@@ -1,0 +1,55 @@
+"""The benchmarks run, on tiny shapes: their numbers are measured by hand
+(benchmarks/NOTES.md), but a script that no longer runs, or a target its table
+checks, must not go unnoticed until someone measures. Each runs as the README
+shows, in a subprocess bounded by a timeout; timings are never asserted."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: float = 180) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("plan", [[], ["--no-sequence-parallel", "--calibrate"]], ids=["sp", "no_sp_calibrated"])
+def test_train_step_reports_eagertp_against_unfused_and_the_bound(plan):
+    out = _run("train_step.py", "--layers", "1", "--batch", "1", "--seq", "64", "--dim", "64", "--heads", "2",
+               "--repeats", "1", "--warmup", "0", *plan)
+    assert re.search(r"eagertp +[\d.]+ ms +\([\d.]+x; \d+ fused, \d+ unfused collectives per step\)", out), out
+    assert "bound (no communication)" in out and "hidden" in out, out
+    assert ("size rule calibrated on this link: min_fuse_bytes = {" in out) == bool(plan), out
+
+
+def test_overlap_times_every_form():
+    forms = ["all_gather_matmul", "matmul_reduce_scatter", "all_gather_matmul_k", "all_gather_indep_matmul",
+             "matmul_all_reduce"]
+    out = _run("overlap.py", "--ops", *forms, "--m", "256", "--k", "256", "--n", "64", "--repeats", "1",
+               "--warmup", "0", "--min-fuse-bytes", "0")
+    for form in forms:
+        assert re.search(rf"^ *{form} +256 +256 +64 .* fused ", out, re.MULTILINE), out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,  # the target missed, not the script broken
+    reason="the training step's fused peak is over unfused + one chunk since 65c1a0d: pending weight "
+    "gradients hold their inputs (benchmarks/NOTES.md, session 7). Remove this mark with the fix.",
+)
+def test_memory_stays_within_one_chunk_of_unfused():
+    out = _run("memory.py")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in
+            ("all_gather_matmul", "matmul_reduce_scatter", "transformer_step")]
+    assert len(rows) == 3, out
+    assert all(row[-1] == "yes" for row in rows), out
