@@ -70,6 +70,28 @@ its reduce-scatter at once, before anything reads a gather. Absorbed products
 (a fused collective produced what it needed; Note [Deferral boundary]) stay
 pending: computed only if read.
 
+Note [Products past their collective]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A pending product holds its inputs, which plain eager would free once the
+matmul ran: in a backward step, the weight gradients (dW = g.t() @ x) hold
+the gradients and activations that autograd has released. In TP code a
+product feeds its collective at once (or through a cast or a sum of products,
+which absorbs it), so pending work is computed early, in program order, at
+three points:
+
+- a collective that reads product $p: the non-absorbed products recorded
+  before $p (their collective would have come first);
+- the next matmul deferred after a collective on a managed group: the
+  non-absorbed products recorded before that collective;
+- at a deferral, a read that completes pending work, or a collective: weight
+  gradients (``is_weight_gradient``) that read a storage nothing but pending
+  work can reach (``orphaned_storages``), and absorbed products nothing can
+  read (dropped, as a flush skips them).
+
+A product whose collective comes later anyway (reversed order, or after
+another collective and a matmul) is computed whole and its collective issued
+as written: slower, never different.
+
 Note [Overlap accounting]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 A gather with matmul consumers is fused. One without any still overlapped
@@ -606,6 +628,67 @@ def _unobserved(product: Product) -> bool:
     return _held_by_item_only(product.out) and all(_held_by_item_only(sv.tensor) for sv in product.scatter_views)
 
 
+def _matmul_leaves(items: Iterable[Pending]) -> list[PendingMatmul]:
+    """The matmuls behind ``items`` (a sum's terms, a cast's source, a gather's
+    consumers), each once."""
+    found: dict[int, PendingMatmul] = {}
+    stack: list = list(items)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, PendingMatmul):
+            found.setdefault(id(item), item)
+        elif isinstance(item, PendingSum):
+            stack += item.terms
+        elif isinstance(item, PendingCast):
+            stack.append(item.source)
+        else:
+            stack += item.consumers
+    return list(found.values())
+
+
+def _refs(tensors: dict[int, torch.Tensor]) -> dict[int, int]:
+    """sys.getrefcount of each of ``tensors``, seen from here."""
+    return {key: sys.getrefcount(t) for key, t in tensors.items()}
+
+
+# What _refs reads for a tensor that only its dict holds.
+_REFS_BASE = _refs({0: torch.empty(0)})[0]
+
+
+def orphaned_storages(items: Iterable[Pending]) -> set[int]:
+    """Storages that nothing but the inputs of ``items`` can reach (Note
+    [Products past their collective]): no other Python reference to those
+    tensors or their view bases, no C++ holder (autograd), no other view."""
+    tensors: dict[int, torch.Tensor] = {}
+    uses: collections.Counter[int] = collections.Counter()
+    for mm in _matmul_leaves(items):
+        for t in (mm.a, mm.b, mm.bias):
+            if t is not None:
+                tensors[id(t)] = t
+                uses[id(t)] += 1
+    refs = _refs(tensors)
+    per_storage: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+    for key, t in tensors.items():
+        held = refs[key] == _REFS_BASE + uses[key] and t._use_count() == 1 and not weakref.getweakrefcount(t)
+        per_storage[storage_key(t)].append(t if held else None)
+    orphans: set[int] = set()
+    for key, held in per_storage.items():
+        if any(t is None for t in held):
+            continue
+        bases = {id(t._base): t._base for t in held if t._base is not None}
+        views = collections.Counter(id(t._base) for t in held if t._base is not None)
+        base_refs = _refs(bases)
+        if any(
+            base_refs[i] != _REFS_BASE or b._use_count() != 1 + views[i] or weakref.getweakrefcount(b)
+            for i, b in bases.items()
+        ):
+            continue
+        # NB: untyped_storage() makes a Python storage object: one more use.
+        if torch._C._storage_Use_Count(held[0].untyped_storage()._cdata) == len(held) + len(bases) + 1:
+            orphans.add(key)
+    return orphans
+
+
 @dataclasses.dataclass(eq=False)
 class PendingGather:
     """``out = all_gather_into_tensor(shard, group)``, in flight: the backend
@@ -660,6 +743,13 @@ class PendingGather:
 Pending = PendingGather | Product
 
 
+def is_weight_gradient(product: Product) -> bool:
+    """``g.t() @ x``: A is a transposed contiguous tensor, the contraction runs
+    over tokens, as autograd's weight gradient of a linear layer."""
+    a = getattr(product, "a", None)
+    return a is not None and a.dim() == 2 and not a.is_contiguous() and a.t().is_contiguous()
+
+
 def _placeholders(item: Pending) -> list[torch.Tensor]:
     if isinstance(item, PendingGather):
         return item.placeholders()
@@ -678,12 +768,14 @@ class PendingStore:
         # from it (Note [Sends from the shard] in eagertp.engine)
         self.sending: dict[int, list[PendingGather]] = {}
         self._ids = itertools.count()
+        self.last_tid = -1  # the latest id handed out
 
     def __bool__(self) -> bool:
         return bool(self.items)
 
     def next_tid(self) -> int:
-        return next(self._ids)
+        self.last_tid = next(self._ids)
+        return self.last_tid
 
     def add_gather(self, gather: PendingGather) -> None:
         self.items.append(gather)
@@ -796,6 +888,7 @@ class PendingStore:
         assert not self.items, "reset with pending work would lose collectives"
         assert not self.sending, f"gathers completed but still sending from their shards: {self.sending}"
         self._ids = itertools.count()
+        self.last_tid = -1
 
 
 def tensor_leaves(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:

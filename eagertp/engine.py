@@ -43,6 +43,8 @@ from eagertp.deferred import (
     Product,
     Scaled,
     ScatterView,
+    is_weight_gradient,
+    orphaned_storages,
     storage_key,
     tensor_leaves,
 )
@@ -94,6 +96,9 @@ class Engine:
         # device type -> the smallest matmul output (bytes) a fused collective
         # could take; read per block (MIN_FUSE_BYTES may change between blocks).
         self._deferral_bytes: dict[str, int] = {}
+        # The latest trace id recorded before the latest collective on a managed
+        # group: products up to it are past their collective (Note [Products past their collective]).
+        self.before_collective = -1
 
     def reset(self) -> None:
         self.stats.clear()
@@ -101,6 +106,7 @@ class Engine:
         self.store.reset()
         self.matmul_work = 0
         self._deferral_bytes.clear()
+        self.before_collective = -1
 
     def _never_fused_below(self, device_type: str) -> int:
         """Matmul outputs smaller than this (bytes, in the widest cast) can feed
@@ -212,6 +218,47 @@ class Engine:
                 reason = Reason("{} {}", func, why)
             self.trace.event("wait: {}", reason)
             self.complete(owners, reason)
+            self.complete_orphaned_weight_gradients(func)
+
+    def complete_past(self, func: Any, mark: int) -> None:
+        """Compute the standalone products recorded up to trace id ``mark`` that no
+        collective took (Note [Products past their collective]): plain eager
+        would have computed them, and freed their inputs, long ago."""
+        past = [p for p in self.store.items if p.tid <= mark and not isinstance(p, PendingGather) and not p.absorbed]
+        if past:
+            reason = Reason("{}: ${} is past its collective", func, past[-1].tid)
+            self.trace.event("wait: {}", reason)
+            self.complete(past, reason)
+
+    def complete_orphaned_weight_gradients(self, func: Any) -> None:
+        """Compute the pending weight gradients that read a storage nothing but
+        pending work can reach (Note [Products past their collective])."""
+        candidates = [
+            p for p in self.store.items
+            if not isinstance(p, PendingGather) and not p.absorbed and is_weight_gradient(p)
+        ]
+        if not candidates:
+            return
+        orphans = orphaned_storages(self.store.items)
+        ready = [p for p in candidates if any(storage_key(t) in orphans for t in p.inputs())]
+        if ready:
+            reason = Reason("{}: ${} holds inputs nothing else can reach", func, ready[-1].tid)
+            self.trace.event("wait: {}", reason)
+            self.complete(ready, reason)
+
+    def product_read(self, t: torch.Tensor) -> int | None:
+        """The trace id of the standalone pending product ``t`` views, if any."""
+        owner = self.store.owner(t)
+        return None if owner is None or isinstance(owner, PendingGather) else owner.tid
+
+    def drop_unobserved(self) -> None:
+        """Take out the absorbed products that nothing can read any more: a flush
+        would skip them, and until then they hold their placeholders and inputs."""
+        absorbed = [p for p in self.store.items if not isinstance(p, PendingGather) and p.absorbed]
+        for product in absorbed:
+            if product.unobserved():
+                self.store.remove(product)
+                self.trace.event("skip ${}: nothing can read it", product.tid)
 
     def flush(self, reason: str | Reason) -> None:
         """Complete every pending item, in record order."""
@@ -413,6 +460,10 @@ class Engine:
                 self.complete_for(func, args, kwargs)
             return self.run_matmul(func, args, kwargs)
         gather, view, operand, scale_gather = None, None, None, None
+        if self.store:
+            self.drop_unobserved()
+            self.complete_past(func, self.before_collective)
+            self.complete_orphaned_weight_gradients(func)
         if self.store:
             gather, view, operand, scale_gather, why_not = self._match_gather_operand(a, b, bias, scaled)
             if why_not is not None:
@@ -622,7 +673,12 @@ class Engine:
         ``signature`` is what ``verify=True`` compares across ranks first, as
         for a plan."""
         if self.store.items:
+            read = self.product_read(src)
             self.complete_for(func, args, kwargs)
+            self.drop_unobserved()
+            if read is not None:
+                self.complete_past(func, read - 1)
+            self.complete_orphaned_weight_gradients(func)
         if self.verify:
             with self.issuing_work():
                 check_ranks_agree(signature, group)
@@ -640,6 +696,7 @@ class Engine:
         self, kind: str, src: torch.Tensor, dst: torch.Tensor, group: dist.ProcessGroup
     ) -> CollectiveRecord:
         """The explain() record of a collective, with its tensors and group rendered."""
+        self.before_collective = self.store.last_tid
         return self.trace.new_collective(kind, src=tensor_str(src), dst=tensor_str(dst), group=group_str(group))
 
 

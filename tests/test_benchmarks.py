@@ -41,12 +41,6 @@ def test_overlap_times_every_form():
         assert re.search(rf"^ *{form} +256 +256 +64 .* fused ", out, re.MULTILINE), out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # the target missed, not the script broken
-    reason="the training step's fused peak is over unfused + one chunk since 65c1a0d: pending weight "
-    "gradients hold their inputs (benchmarks/NOTES.md, session 7). Remove this mark with the fix.",
-)
 def test_memory_stays_within_one_chunk_of_unfused():
     out = _run("memory.py")
     rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in

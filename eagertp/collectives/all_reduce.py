@@ -145,6 +145,8 @@ def all_reduce(
         # all-reduce overwrote it: nothing can read it any more.
         product.absorbed = True
         engine.store.add_product(product)
+    # NB: after the start: the gather half is in flight behind them.
+    engine.complete_past(func, product.tid - 1)
     engine.matmul_work += 1
     engine.stats["matmul_all_reduce"] += 1
     engine.trace.mark_fused(record, plan.fused_with(), gather.backend)
