@@ -695,7 +695,10 @@ class Engine:
     def new_record(
         self, kind: str, src: torch.Tensor, dst: torch.Tensor, group: dist.ProcessGroup
     ) -> CollectiveRecord:
-        """The explain() record of a collective, with its tensors and group rendered."""
+        """The explain() record of a collective, with its tensors and group
+        rendered. Every collective on a managed group records one, so this is
+        also where the products recorded so far are marked past their
+        collective (Note [Products past their collective])."""
         self.before_collective = self.store.last_tid
         return self.trace.new_collective(kind, src=tensor_str(src), dst=tensor_str(dst), group=group_str(group))
 
