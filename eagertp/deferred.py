@@ -822,6 +822,11 @@ class PendingStore:
             if not inputs[key]:
                 del inputs[key]
 
+    def standalone(self, *, absorbed: bool) -> list[Product]:
+        """The pending products that are not a gather's consumers, absorbed
+        (a fused collective produced what it needed) or not, in record order."""
+        return [p for p in self.items if not isinstance(p, PendingGather) and p.absorbed == absorbed]
+
     def owner(self, t: torch.Tensor) -> Pending | None:
         return self._owner.get(storage_key(t))
 

@@ -220,11 +220,20 @@ class Engine:
             self.complete(owners, reason)
             self.complete_orphaned_weight_gradients(func)
 
+    def complete_work_past(self, func: Any, mark: int) -> None:
+        """Everything Note [Products past their collective] computes or drops
+        early, before ``func``: the products recorded up to trace id ``mark``
+        (-1: none), the weight gradients only pending work holds the inputs
+        of, the absorbed products nothing can read."""
+        self.drop_unobserved()
+        self.complete_past(func, mark)
+        self.complete_orphaned_weight_gradients(func)
+
     def complete_past(self, func: Any, mark: int) -> None:
         """Compute the standalone products recorded up to trace id ``mark`` that no
         collective took (Note [Products past their collective]): plain eager
         would have computed them, and freed their inputs, long ago."""
-        past = [p for p in self.store.items if p.tid <= mark and not isinstance(p, PendingGather) and not p.absorbed]
+        past = [p for p in self.store.standalone(absorbed=False) if p.tid <= mark]
         if past:
             reason = Reason("{}: ${} is past its collective", func, past[-1].tid)
             self.trace.event("wait: {}", reason)
@@ -233,10 +242,7 @@ class Engine:
     def complete_orphaned_weight_gradients(self, func: Any) -> None:
         """Compute the pending weight gradients that read a storage nothing but
         pending work can reach (Note [Products past their collective])."""
-        candidates = [
-            p for p in self.store.items
-            if not isinstance(p, PendingGather) and not p.absorbed and is_weight_gradient(p)
-        ]
+        candidates = [p for p in self.store.standalone(absorbed=False) if is_weight_gradient(p)]
         if not candidates:
             return
         orphans = orphaned_storages(self.store.items)
@@ -254,8 +260,7 @@ class Engine:
     def drop_unobserved(self) -> None:
         """Take out the absorbed products that nothing can read any more: a flush
         would skip them, and until then they hold their placeholders and inputs."""
-        absorbed = [p for p in self.store.items if not isinstance(p, PendingGather) and p.absorbed]
-        for product in absorbed:
+        for product in self.store.standalone(absorbed=True):
             if product.unobserved():
                 self.store.remove(product)
                 self.trace.event("skip ${}: nothing can read it", product.tid)
@@ -301,7 +306,7 @@ class Engine:
         ordered: list[Pending] = []
         for item in items:
             if isinstance(item, PendingGather) and item in self.store.items:
-                ordered += [p for p in self.store.items if not isinstance(p, PendingGather) and not p.absorbed]
+                ordered += self.store.standalone(absorbed=False)
             ordered.append(item)
         return ordered
 
@@ -461,10 +466,8 @@ class Engine:
             return self.run_matmul(func, args, kwargs)
         gather, view, operand, scale_gather = None, None, None, None
         if self.store:
-            self.drop_unobserved()
-            self.complete_past(func, self.before_collective)
-            self.complete_orphaned_weight_gradients(func)
-        if self.store:
+            self.complete_work_past(func, self.before_collective)
+        if self.store:  # NB: again: what the call above completed may have emptied it
             gather, view, operand, scale_gather, why_not = self._match_gather_operand(a, b, bias, scaled)
             if why_not is not None:
                 self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
@@ -675,10 +678,7 @@ class Engine:
         if self.store.items:
             read = self.product_read(src)
             self.complete_for(func, args, kwargs)
-            self.drop_unobserved()
-            if read is not None:
-                self.complete_past(func, read - 1)
-            self.complete_orphaned_weight_gradients(func)
+            self.complete_work_past(func, -1 if read is None else read - 1)
         if self.verify:
             with self.issuing_work():
                 check_ranks_agree(signature, group)
