@@ -292,8 +292,8 @@ class Engine:
                         # and nothing else can read it: computing it is waste.
                         self.trace.event("skip ${}: nothing can read it", item.tid)
                     else:
+                        self.count_matmul_work()
                         item.issue_standalone()
-                        self.matmul_work += 1
                 except BaseException as e:  # noqa: B036 - re-raised below
                     failure = failure or e
         if failure is not None:
@@ -324,10 +324,12 @@ class Engine:
         # Scale gathers in flight that the consumers read row by row: waited for
         # per chunk inside the plan, completed right after (Note [Gathered row-wise scales]).
         plan = AllGatherMatmulPlan(gather, [g for g in gather.scale_gathers() if g in self.store.items])
-        whole = plan.lands_whole(overlapped=self.matmul_work > gather.work_at_start)
+        whole = plan.lands_whole()
         if whole:  # the whole matmuls read whole scales: complete them first
             self._complete_scales(plan.scales, reason)
             plan.scales = []
+        if plan.fused:
+            self.count_matmul_work(len(gather.consumers))
         try:
             with profiler_range(f"eagertp::{plan.name}"):
                 plan.run(whole=whole)
@@ -341,7 +343,6 @@ class Engine:
                 check_equal(what, got, want, plan.group, exact=exact)
 
     def _count_fused(self, gather: PendingGather, plan: AllGatherMatmulPlan) -> None:
-        self.matmul_work += len(gather.consumers)
         self.stats[plan.name] += 1
         self.stats["fused_matmuls"] += len(gather.consumers)
 
@@ -435,8 +436,18 @@ class Engine:
     def run_matmul(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         """A matmul run at once (not deferred): counted as work that overlaps
         the gathers in flight."""
-        self.matmul_work += 1
+        self.count_matmul_work()
         return func(*args, **kwargs)
+
+    def count_matmul_work(self, n: int = 1) -> None:
+        """``n`` matmuls are about to run while the gathers in the store are in
+        flight: counted (explain() says a gather overlapped them), and each of
+        those gathers watched, so that its consumers can tell whether it has
+        landed by then (Note [Landed gathers])."""
+        self.matmul_work += n
+        for item in self.store.items:
+            if isinstance(item, PendingGather) and item.handle is not None:
+                item.handle.watch()
 
     def defer_matmul(
         self,

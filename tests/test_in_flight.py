@@ -10,6 +10,8 @@ leaves the others to their consumers.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from helpers import OpCounter, all_gather, all_reduce, fusion_report, integer_tensor
@@ -34,28 +36,44 @@ class _MatmulLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _prefetch_worker(rank, group, consumer: bool, whole: bool = False):
+def _prefetch_worker(rank, group, consumer: bool, whole: bool = False, landed: str = "any"):
     """``ag = AG(x); z = a @ b; y = ag @ w``: plain eager's async gather hides
     behind ``a @ b``; eagertp must compute ``a @ b`` before waiting for the
     gather (Note [Work issued while a gather is in flight]). ``whole``: with
-    Note [Landed gathers] on, as outside the tests."""
+    Note [Landed gathers] on, as outside the tests; then ``landed`` says
+    whether rank 0's gather has landed when ``y`` is read: "yes" (waited for
+    after ``a @ b`` was read) or "no" (rank 1 issues its gather late)."""
     from eagertp import patterns
 
     patterns.WHOLE_WHEN_LANDED = whole
     try:
-        return _prefetch(rank, group, consumer)
+        return _prefetch(rank, group, consumer, landed)
     finally:
         patterns.WHOLE_WHEN_LANDED = False
 
 
-def _prefetch(rank, group, consumer: bool):
+def _prefetch(rank, group, consumer: bool, landed: str = "any"):
+    import time
+
     x = integer_tensor((8, 16), F32, seed=rank)
     a, b, w = (integer_tensor(s, F32, seed=10 + i) for i, s in enumerate([(32, 24), (24, 40), (16, 8)]))
     gathered = torch.cat([integer_tensor((8, 16), F32, seed=r) for r in range(group.size())])
     log, counter = _MatmulLog(), OpCounter()
+    landed_before_read = None
     with log, counter, EagerMicroPipeline() as pipe:
+        if landed == "no" and rank == 1:
+            time.sleep(1.0)  # rank 0 reads y long before this rank's shard can reach it
         ag = all_gather(x, group)
+        handle = pipe._engine.store.items[0].handle
         z = a @ b
+        if landed != "any":
+            z = z.clone()  # runs a @ b while the gather is in flight: it is watched from here
+        if landed == "yes":
+            deadline = time.monotonic() + 10
+            while not handle.landed():
+                assert time.monotonic() < deadline, "the watched gather never said it landed"
+                time.sleep(0.001)
+        landed_before_read = handle.landed()
         y = ag @ w if consumer else ag * 2
         results = (z.clone(), y.clone())  # reads: z first, then the gather
         in_block = pipe.explain()
@@ -64,6 +82,7 @@ def _prefetch(rank, group, consumer: bool):
         "trace": pipe.debug_string().splitlines()[-1],
         "ok": [torch.equal(g, e) for g, e in zip(results, expected)],
         "matmuls": log.shapes,
+        "landed": landed_before_read,
         "explain": pipe.explain(),
         "in_block": in_block,
         **fusion_report(pipe, counter),
@@ -81,15 +100,32 @@ def test_prefetched_gather_overlaps_the_matmul_issued_before_its_consumer(pool, 
         assert r["matmuls"][0] == (32, 24, 40) and r["matmuls"][1:] == [(8, 16, 8)] * 2, r["matmuls"]
 
 
-def test_prefetched_gather_on_gloo_runs_its_consumer_whole_after_the_matmul(pool):
-    """The 2-rank ring on gloo cannot tell whether a gather landed; one that
-    matmul work overlapped runs plain eager's schedule: the work, the wait, one
-    whole matmul (Note [Landed gathers])."""
-    for r in pool.run(_prefetch_worker, 2, True, True):
+def test_prefetched_gather_on_gloo_that_landed_runs_its_consumer_whole(pool):
+    """gloo's point-to-point Work says it completed only once waited for: a
+    gather that matmul work overlaps is watched from then on, and once it has
+    landed its consumer runs whole, one matmul (Note [Landed gathers])."""
+    for r in pool.run(_prefetch_worker, 2, True, True, "yes"):
         assert all(r["ok"]), r
+        assert r["landed"] is True, r
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
         assert r["matmuls"] == [(32, 24, 40), (16, 16, 8)], r["matmuls"]
         assert r["trace"] == "all_gather_matmul($0 -> $2, landed: whole) [ring]", r["trace"]
+
+
+def test_prefetched_gather_on_gloo_still_in_flight_runs_its_consumer_by_chunk(pool):
+    """The same program where rank 0's gather has not landed when its consumer
+    binds (rank 1 issues its gather late): rank 0's own chunk is consumed at
+    once, the peer's when it lands, as for a gather that nothing overlapped.
+    Rank 1 finds rank 0's shard landed or not, as its watcher's timing goes;
+    the messages are the same either way (Invariant 2)."""
+    results = pool.run(_prefetch_worker, 2, True, True, "no")
+    for r in results:
+        assert all(r["ok"]), r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+    r = results[0]
+    assert r["landed"] is False, r
+    assert r["matmuls"] == [(32, 24, 40), (8, 16, 8), (8, 16, 8)], r["matmuls"]
+    assert r["trace"] == "all_gather_matmul($0 -> $2) [ring]", r["trace"]
 
 
 def test_gather_without_consumer_that_overlapped_a_matmul_is_not_counted_unfused(pool):
@@ -236,6 +272,9 @@ class _LateReadingGather:
 
     def landed(self):
         return False
+
+    def watch(self) -> None:
+        pass
 
     def consume(self, consumer) -> None:
         from eagertp.backends.base import consume_in_order
@@ -390,18 +429,27 @@ class _FakeWork:
         return self.done
 
 
+def _fake_receives(*done: bool, on_cpu: bool):
+    from eagertp.backends.ring import _Receives
+
+    works = [_FakeWork(d) for d in done]
+    return works, _Receives([(w, 1) for w in works], "test", None, on_cpu=on_cpu)
+
+
 def test_ring_landed_asks_every_receive_off_the_cpu():
     """NCCL's Work answers ``is_completed`` from its CUDA event: the 2-rank ring
-    asks each receive (no GPU here: a meta buffer stands for the device)."""
+    asks each receive (no GPU here: a meta buffer stands for the device).
+    gloo's point-to-point Work cannot tell until it is waited for."""
     from eagertp.backends.ring import _P2PGather
 
     gather = _P2PGather.__new__(_P2PGather)
     gather._chunks, gather._rest = torch.empty(2, 4, device="meta"), []
-    gather._recvs = [(_FakeWork(True), 1), (_FakeWork(False), 1)]
+    works, gather._recvs = _fake_receives(True, False, on_cpu=False)
     assert gather.landed() is False
-    gather._recvs[1][0].done = True
+    works[1].done = True
     assert gather.landed() is True
     gather._chunks = torch.empty(2, 4)
+    _, gather._recvs = _fake_receives(True, True, on_cpu=True)
     assert gather.landed() is None, "gloo's point-to-point Work cannot tell"
 
 
@@ -411,10 +459,58 @@ def test_interleaved_all_reduce_landed_asks_the_reduced_pieces_off_the_cpu():
     from eagertp.backends.ring import _InterleavedAllReduce
 
     handle = _InterleavedAllReduce.__new__(_InterleavedAllReduce)
-    handle._chunks = torch.empty(2, 2, 4, device="meta")
-    handle._reduced = [_FakeWork(True), _FakeWork(False)]
+    works, handle._reduced = _fake_receives(True, False, on_cpu=False)
     assert handle.landed() is False
-    handle._reduced[1].done = True
+    works[1].done = True
     assert handle.landed() is True
-    handle._chunks = torch.empty(2, 2, 4)
+    _, handle._reduced = _fake_receives(True, True, on_cpu=True)
     assert handle.landed() is None
+
+
+class _BlockingWork:
+    """A receive that lands when the test says so, or fails."""
+
+    def __init__(self) -> None:
+        self.arrived = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> bool:
+        assert self.arrived.wait(10), "the test never let this receive land"
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_watched_receives_say_which_landed_and_hand_on_a_failure():
+    """Once watched, a thread waits for the receives in order: ``landed`` turns
+    True when the last one has, ``wait(i)`` returns as receive i lands, and a
+    failed receive is raised on the consuming thread, for it and every later one."""
+    from eagertp.backends.ring import _Receives
+
+    works = [_BlockingWork() for _ in range(3)]
+    receives = _Receives([(w, 1) for w in works], "test", None, on_cpu=True)
+    assert receives.landed() is None, "not watched: gloo cannot tell"
+    receives.watch()
+    receives.watch()  # once only
+    assert receives.landed() is False
+    works[0].arrived.set()
+    receives.wait(0)
+    assert receives.landed() is False
+    works[1].error = ValueError("the peer is gone")
+    works[1].arrived.set()
+    for i in (1, 2):
+        with pytest.raises(ValueError, match="the peer is gone"):
+            receives.wait(i)
+    receives.wait(0)  # landed before the failure
+    assert receives.landed() is False
+    receives.close()
+
+    works = [_BlockingWork() for _ in range(2)]
+    receives = _Receives([(w, 1) for w in works], "test", None, on_cpu=True)
+    works[0].arrived.set()
+    receives.wait(0)  # waited for here, before the watch
+    receives.watch()
+    works[1].arrived.set()
+    receives.wait(1)
+    assert receives.landed() is True
+    receives.close()

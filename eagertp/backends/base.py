@@ -83,7 +83,14 @@ class GatherHandle(Protocol):
     def landed(self) -> bool | None:
         """True if every chunk is already in ``ag_out``: a consumer would find
         nothing left to overlap. Never blocks; None where the backend cannot
-        tell cheaply (Note [Landed gathers] in eagertp.patterns)."""
+        tell without ``watch`` (Note [Landed gathers] in eagertp.patterns)."""
+        ...
+
+    def watch(self) -> None:
+        """Work is about to run while this gather is in flight: from now on,
+        keep ``landed`` able to tell, where that costs what the backend would
+        not spend otherwise (the 2-rank ring on gloo: a thread that waits for
+        the receives). Any number of calls, before ``consume``."""
         ...
 
     def release_shard(self) -> None:

@@ -78,5 +78,8 @@ class _AsyncGather:
     def landed(self) -> bool | None:
         return self._work.is_completed()
 
+    def watch(self) -> None:
+        pass  # a collective's Work tells without being waited for
+
     def release_shard(self) -> None:
         pass  # the collective reads a copy

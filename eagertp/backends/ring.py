@@ -157,24 +157,18 @@ class _P2PGather:
         chunks[rank].copy_(shard)  # while the shard is on its way
         # (work, the peer it waits for): Note [Waiting on a peer]
         if len(works) == len(ops):  # gloo: one Work per op
-            self._recvs = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.irecv]
+            recvs = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.irecv]
             self._rest = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.isend]
         else:  # NCCL coalesces a batch into one Work: the first piece waits for all
-            self._recvs, self._rest = [], [(w, sources[0]) for w in works]
-        # NB: a gloo Work may be waited for once only (a second wait waits for
-        # another message): wait_chunk and consume share these flags, and
-        # release_shard and consume share the sends.
-        self._received = [False] * len(self._recvs)
+            recvs, self._rest = [], [(w, sources[0]) for w in works]
+        # NB: wait_chunk and consume share the receives, release_shard and
+        # consume the sends: a gloo Work may be waited for once only.
+        self._recvs = _Receives(recvs, self._what, group, on_cpu=ag_out.device.type == "cpu")
 
     def release_shard(self) -> None:
         self._wait(self._rest)
         if self._recvs:  # gloo: the sends, waited for once (NCCL: the batch's one Work)
             self._rest = []
-
-    def _wait_piece(self, i: int) -> None:
-        if not self._received[i]:
-            self._wait(self._recvs[i : i + 1])  # at once if it has landed
-            self._received[i] = True
 
     def wait_chunk(self, src: int) -> None:
         if src == self._rank:
@@ -184,7 +178,7 @@ class _P2PGather:
             return
         for i, (s, _) in enumerate(self._pieces):
             if s == src:
-                self._wait_piece(i)
+                self._recvs.wait(i)
 
     def consume(self, consumer: ChunkConsumer | None) -> None:
         chunks, rank = self._chunks, self._rank
@@ -194,21 +188,25 @@ class _P2PGather:
             self._wait(self._rest)
         for i, (src, rows) in enumerate(self._pieces):
             if self._recvs:
-                self._wait_piece(i)
+                self._recvs.wait(i)
             if consumer is not None:
                 # The consumer of one piece overlaps the transfers of the pieces after it.
                 consumer(chunks[src][rows], src, rows)
         self._wait(self._rest)
-        self._recvs, self._rest, self._received = [], [], []
+        self._recvs.close()
+        self._rest = []
 
     def _wait(self, works: list[tuple[dist.Work, int]]) -> None:
         for work, peer in works:
             wait_for_peer(work, self._what, self._group, peer)
 
+    def watch(self) -> None:
+        self._recvs.watch()
+
     def landed(self) -> bool | None:
-        if self._chunks.device.type == "cpu":
-            return None  # NB: gloo's point-to-point Work completes only in wait()
-        return all(work.is_completed() for work, _ in self._recvs or self._rest)  # NCCL: its CUDA event
+        if self._recvs or self._chunks.device.type == "cpu":
+            return self._recvs.landed()
+        return all(work.is_completed() for work, _ in self._rest)  # NCCL's one Work: its CUDA event
 
 
 class _ThreadedRing:
@@ -297,6 +295,9 @@ class _ThreadedRing:
     def release_shard(self) -> None:
         self._links.wait_sent(self._shard_sends)  # NB: gloo's Work: waited for once
         self._shard_sends = []
+
+    def watch(self) -> None:
+        pass  # the helper thread says what has landed already
 
     def landed(self) -> bool | None:
         return all(event.is_set() for event in self._landed)
@@ -404,7 +405,9 @@ class _InterleavedAllReduce:
         # NB: both receives posted first, in the order the peer sends: its
         # partial sums of this rank's chunk, then its reduced chunk.
         partials = [links.irecv(partial[r]) for r in rows]
-        self._reduced = [links.irecv(peer[r]) for r in rows]
+        self._reduced = _Receives(
+            [(links.irecv(peer[r]), self._peer) for r in rows], links.what, group, on_cpu=out.device.type == "cpu"
+        )
         self._sends = []
         for r in rows:
             producer(self._peer, sent[r], r)
@@ -417,37 +420,102 @@ class _InterleavedAllReduce:
                 own[r].div_(2)
             self._sends.append(links.isend(own[r]))
         self._sent = sent  # NB: the sends read it until they complete
-        self._received = [False] * len(rows)
-
-    def _wait_piece(self, i: int) -> None:
-        if not self._received[i]:
-            self._links.wait_received(self._reduced[i])
-            self._received[i] = True
 
     def wait_chunk(self, src: int) -> None:
-        if src != self._rank:
-            for i in range(len(self._rows)):
-                self._wait_piece(i)
+        if src != self._rank and self._rows:
+            self._reduced.wait(len(self._rows) - 1)
 
     def consume(self, consumer: ChunkConsumer | None) -> None:
         chunks = self._chunks
         if consumer is not None:
             consumer(chunks[self._rank], self._rank, slice(0, chunks.shape[1]))
         for i, r in enumerate(self._rows):
-            self._wait_piece(i)
+            self._reduced.wait(i)
             if consumer is not None:
                 consumer(chunks[self._peer][r], self._peer, r)
         self.release_shard()
-        self._reduced, self._sent = [], None
+        self._reduced.close()
+        self._sent = None
 
     def release_shard(self) -> None:
         self._links.wait_sent(self._sends)  # NB: gloo's Work: waited for once
         self._sends = []
 
+    def watch(self) -> None:
+        self._reduced.watch()
+
     def landed(self) -> bool | None:
-        if self._chunks.device.type == "cpu":
-            return None  # NB: gloo's point-to-point Work completes only in wait()
-        return all(work.is_completed() for work in self._reduced)  # NCCL: its CUDA event
+        return self._reduced.landed()
+
+
+class _Receives:
+    """The receives of a gather in flight, in the order they are consumed,
+    each waited for once (a gloo Work waited for twice waits for another
+    message): by the consuming thread, or, once watched, by a thread that
+    waits for each as it lands, so that ``landed`` can tell on gloo too
+    (Note [Landed gathers] in eagertp.patterns)."""
+
+    def __init__(self, works: list[tuple[dist.Work, int]], what: str, group: dist.ProcessGroup, *, on_cpu: bool) -> None:
+        self._works = works  # (work, the peer it waits for): Note [Waiting on a peer]
+        self._what, self._group, self._on_cpu = what, group, on_cpu
+        self._count = 0  # receives known to have landed: 0 .. count - 1
+        self._watcher: threading.Thread | None = None
+        self._landed: list[threading.Event] = []  # once watched: receive i landed (or the watcher stopped)
+        self._failure: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self._works)
+
+    def wait(self, i: int) -> None:
+        """Return once receives ``0..i`` have landed."""
+        if self._watcher is None:
+            while self._count <= i:
+                work, peer = self._works[self._count]
+                wait_for_peer(work, self._what, self._group, peer)
+                self._count += 1
+            return
+        self._landed[i].wait()  # NB: bounded: the watcher's waits time out as ours would
+        if self._count <= i:
+            assert self._failure is not None, "the watcher stopped early without a failure"
+            raise self._failure
+
+    def watch(self) -> None:
+        """From now on, wait for the receives on a thread of their own (gloo:
+        its Work says it completed only once waited for)."""
+        if self._watcher is None and self._on_cpu and self._count < len(self._works):
+            self._landed = [threading.Event() for _ in self._works]
+            for event in self._landed[: self._count]:
+                event.set()
+            self._watcher = threading.Thread(target=self._watch, name="eagertp-landing", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        try:
+            while self._count < len(self._works):
+                work, peer = self._works[self._count]
+                wait_for_peer(work, self._what, self._group, peer)
+                self._count += 1
+                self._landed[self._count - 1].set()
+        except BaseException as e:  # noqa: B036 - raised by wait() on the consuming thread
+            self._failure = e
+        finally:
+            for event in self._landed:
+                event.set()
+
+    def landed(self) -> bool | None:
+        """Never blocks. NCCL: each Work's CUDA event; gloo: what has been
+        waited for, None if nothing watches the rest."""
+        if not self._on_cpu:
+            return all(work.is_completed() for work, _ in self._works)
+        if self._count == len(self._works):
+            return True
+        return False if self._watcher is not None else None
+
+    def close(self) -> None:
+        """Every receive has landed (``wait`` of the last one returned)."""
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
 
 
 # Note [Who drives the ring]

@@ -229,6 +229,9 @@ class SymmMemGather:
         # per chunk behind their events cost the host nothing: always chunked.
         return False
 
+    def watch(self) -> None:
+        pass  # always chunked (landed)
+
     def release_shard(self) -> None:
         pass  # copied into ag_out on the current stream when the gather started
 

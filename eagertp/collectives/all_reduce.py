@@ -120,6 +120,8 @@ def all_reduce(
         # In place, the ring overwrites inp as it goes: verify's reference reads a copy.
         src = inp.clone() if in_place and engine.verify else inp.contiguous()
         plan = ReduceScatterPlan(shard, reduce_op, group, record, inp=src.view(rows.shape))
+    if plan.fused:
+        engine.count_matmul_work()
     # The gather half: a gather in flight into the result, sharing the record.
     gather = PendingGather(
         shard, rows, group, engine.store.next_tid(), record, work_at_start=engine.matmul_work, half_of_all_reduce=True
@@ -147,7 +149,6 @@ def all_reduce(
         engine.store.add_product(product)
     # NB: after the start: the gather half is in flight behind them.
     engine.complete_past(func, product.tid - 1)
-    engine.matmul_work += 1
     engine.stats["matmul_all_reduce"] += 1
     engine.trace.mark_fused(record, plan.fused_with(), gather.backend)
     engine.trace.event(f"matmul_all_reduce({reduce_op}, ${product.tid}) [{gather.backend}]")

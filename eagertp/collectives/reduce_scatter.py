@@ -84,10 +84,11 @@ def reduce_scatter(
 
 def _issue(engine: Engine, plan: ReduceScatterPlan, unfused_reason: str) -> None:
     """Run a reduce-scatter's plan on the backend now, and account for it."""
+    if plan.fused:
+        engine.count_matmul_work()
     with profiler_range(f"eagertp::{plan.name}"):
         label = _run_scatter(engine, plan)
     if plan.fused:
-        engine.matmul_work += 1
         engine.stats[plan.name] += 1
         engine.trace.mark_fused(plan.record, plan.fused_with(), label)
     else:
