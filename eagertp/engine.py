@@ -443,10 +443,14 @@ class Engine:
         """``n`` matmuls are about to run while the gathers in the store are in
         flight: counted (explain() says a gather overlapped them), and each of
         those gathers watched, so that its consumers can tell whether it has
-        landed by then (Note [Landed gathers])."""
+        landed by then (Note [Landed gathers]). The gather half of an
+        all-reduce only once a matmul consumes it: in TP code an elementwise
+        op reads the reduced tensor first (the residual add), and a watch
+        costs a thread."""
         self.matmul_work += n
         for item in self.store.items:
-            if isinstance(item, PendingGather) and item.handle is not None:
+            if isinstance(item, PendingGather) and (item.consumers or not item.half_of_all_reduce):
+                assert item.handle is not None, f"all_gather ${item.tid} is pending but was never started"
                 item.handle.watch()
 
     def defer_matmul(
