@@ -622,6 +622,23 @@ def _held_by_item_only(t: torch.Tensor) -> bool:
     )
 
 
+def storage_uses(t: torch.Tensor) -> int:
+    """Tensors (and storage objects) on ``t``'s storage, this call's own included."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _held_by_gather_only(out: torch.Tensor, storage_uses_at_start: int) -> bool:
+    """``_held_by_item_only`` for a gather's ``out`` (called as
+    ``f(gather.out, ...)``), which its dim-0 view holds too, and whose storage
+    the backend's views share."""
+    return (
+        sys.getrefcount(out) <= _ONLY_HELD + 1  # NB: PendingGather.out and views[0].tensor
+        and out._use_count() == 1
+        and not weakref.getweakrefcount(out)
+        and storage_uses(out) == storage_uses_at_start
+    )
+
+
 def _unobserved(product: Product) -> bool:
     """True if nothing but this pending item can reach its placeholders.
     Then computing it would be work that nobody can observe."""
@@ -715,6 +732,10 @@ class PendingGather:
     # The all-gather half of a fused all-reduce: ``record`` is the all-reduce's
     # (Note [Matmul + all-reduce] in eagertp.collectives.all_reduce).
     half_of_all_reduce: bool = False
+    # Tensors on ``out``'s storage once the gather started (the placeholder
+    # and the backend's views of it); None: not counted (Note [This rank's
+    # chunk, unread] in eagertp.engine).
+    storage_uses_at_start: int | None = None
 
     def __post_init__(self) -> None:
         self.views.append(GatheredView(self.out, 0, self.group.size(), self.tid))
@@ -725,6 +746,13 @@ class PendingGather:
 
     def placeholders(self) -> list[torch.Tensor]:
         return [v.tensor for v in self.views] + [mm.out for mm in self.consumers]
+
+    def out_unreachable(self) -> bool:
+        """True if nothing but this gather can reach ``out``'s data: no other
+        Python reference to it, no C++ holder (autograd), no weak reference,
+        and no tensor on its storage that was not there when it started (a view
+        the program kept, in inference mode too, where views hold no base)."""
+        return self.storage_uses_at_start is not None and _held_by_gather_only(self.out, self.storage_uses_at_start)
 
     def scale_gathers(self) -> list[PendingGather]:
         """The gathers whose rows this one's consumers take as ``scale_a``."""

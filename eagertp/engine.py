@@ -46,6 +46,7 @@ from eagertp.deferred import (
     is_weight_gradient,
     orphaned_storages,
     storage_key,
+    storage_uses,
     tensor_leaves,
 )
 from eagertp.patterns import AllGatherMatmulPlan, gather_signature
@@ -196,6 +197,25 @@ class Engine:
     # no_dispatch) are the program's race, as they are with plain eager's async
     # collectives on NCCL.
 
+    # Note [This rank's chunk, unread]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # This rank's chunk of a gathered tensor is a copy of its shard, made on
+    # the caller's thread (gloo's own all-gather makes it on its worker
+    # thread): about 0.5 ms per 2 MiB with the other core busy, 3% of a fused
+    # call at N=256 (benchmarks/NOTES.md). Often nothing reads it: the program
+    # dropped the gathered tensor once its matmuls were issued (`AG(x) @ w`,
+    # backward's gradient gathers, which autograd releases once their node has
+    # run). The ring therefore copies it when the gather is consumed, after the
+    # consumer has read this rank's chunk from the shard itself, and only if
+    # the engine says something may read it: unless the placeholder is
+    # unreachable (``PendingGather.out_unreachable``: no Python reference but
+    # the gather's own, no autograd holder, no weak reference, no tensor on
+    # its storage made since the gather started), or verify compares it, or
+    # it is a row-wise scale other consumers read. A write to the shard, or a
+    # read of this rank's scale rows, copies it first (``release_shard``,
+    # ``wait_chunk``). The test is conservative: any holder it cannot account
+    # for means a copy.
+
     def release_shards(self, func: torch._ops.OpOverload, written: Sequence[torch.Tensor]) -> None:
         """Before ``func`` writes ``written``, the shard of gathers in flight
         among them: wait until they send from it no more, and leave them
@@ -330,9 +350,11 @@ class Engine:
             plan.scales = []
         if plan.fused:
             self.count_matmul_work(len(gather.consumers))
+        # Note [This rank's chunk, unread]
+        own_chunk_unread = not (whole or self.verify or gather.scale_of) and gather.out_unreachable()
         try:
             with profiler_range(f"eagertp::{plan.name}"):
-                plan.run(whole=whole)
+                plan.run(whole=whole, own_chunk_unread=own_chunk_unread)
         except BaseException:
             self._complete_scales(plan.scales, reason)
             raise
@@ -394,6 +416,7 @@ class Engine:
         if self.store.touched([shard]) is not None:
             self.complete_owners([shard], "all_gather_into_tensor")
         shard = shard.contiguous()
+        placeholder = out is None
         if out is None:
             out = self.placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
         record = self.new_record("all_gather", shard, out, group)
@@ -409,6 +432,8 @@ class Engine:
             backend, gather.backend = self.choose_backend(shard, group)
             record.backend = gather.backend
             gather.handle = backend.start_all_gather(shard, out, group)
+        if placeholder:  # NB: the caller's own buffer is the program's to read
+            gather.storage_uses_at_start = storage_uses(out)  # Note [This rank's chunk, unread]
         self.add_gather(gather)
         return out
 

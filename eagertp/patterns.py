@@ -108,10 +108,12 @@ class AllGatherMatmulPlan:
         (Note [Landed gathers])."""
         return WHOLE_WHEN_LANDED and bool(self.gather.consumers) and bool(self._handle().landed())
 
-    def run(self, *, whole: bool = False) -> None:
+    def run(self, *, whole: bool = False, own_chunk_unread: bool = False) -> None:
         """Bind the consumers to the gather in flight and complete it: chunk by
         chunk, or on the whole tensors (``lands_whole``; then ``scales`` must
-        be empty: the whole matmuls read whole scales)."""
+        be empty: the whole matmuls read whole scales). ``own_chunk_unread``:
+        nothing reads the gathered tensor after the consumers (Note [This
+        rank's chunk, unread] in eagertp.engine)."""
         handle = self._handle()
         assert not (whole and self.scales), "whole consumers read scales completed first"
         self.whole = whole
@@ -120,7 +122,7 @@ class AllGatherMatmulPlan:
             g = self.gather
             self._compute_whole(g.out, [v.tensor for v in g.views[1:]], [mm.out for mm in g.consumers])
         else:
-            handle.consume(self.consumer())
+            handle.consume(self.consumer(), own_chunk_unread=own_chunk_unread)
 
     def _handle(self) -> GatherHandle:
         handle = self.gather.handle

@@ -485,8 +485,8 @@ def _verify_worker(rank, group, corrupt):
             handle = super().start_all_gather(shard, ag_out, group)
             consume = handle.consume
 
-            def consume_then_corrupt(consumer):
-                consume(consumer)
+            def consume_then_corrupt(consumer, **kwargs):
+                consume(consumer, **kwargs)
                 if group.rank() == 0:
                     ag_out.view(-1)[0] += 1
 

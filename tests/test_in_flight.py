@@ -276,7 +276,7 @@ class _LateReadingGather:
     def watch(self) -> None:
         pass
 
-    def consume(self, consumer) -> None:
+    def consume(self, consumer, *, own_chunk_unread=False) -> None:
         from eagertp.backends.base import consume_in_order
         from eagertp.backends.reference import all_gather_single
 
@@ -514,3 +514,61 @@ def test_watched_receives_say_which_landed_and_hand_on_a_failure():
     receives.wait(1)
     assert receives.landed() is True
     receives.close()
+
+
+class _ShardCopies(TorchDispatchMode):
+    """Entered outside the mode: how many times eagertp copies ``shard`` (into
+    this rank's chunk of a gathered tensor)."""
+
+    def __init__(self, shard: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr, self.count = shard.data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[1].data_ptr() == self.ptr:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _own_chunk_worker(rank, group, how: str):
+    """``AG(x) @ w`` where the program keeps the gathered tensor or not: this
+    rank's chunk of it is copied from the shard only if something can still
+    read it (Note [This rank's chunk, unread] in eagertp.engine)."""
+    x = integer_tensor((8, 16), F32, seed=rank)
+    w = integer_tensor((16, 8), F32, seed=10)
+    gathered = torch.cat([integer_tensor((8, 16), F32, seed=r) for r in range(group.size())])
+    copies = _ShardCopies(x)
+    seen = None
+    with copies, EagerMicroPipeline(poison=True) as pipe:
+        if how == "dropped":
+            y = all_gather(x, group) @ w
+        elif how == "kept":
+            ag = all_gather(x, group)
+            y = ag @ w
+        elif how == "view kept in inference mode":
+            with torch.inference_mode():
+                ag = all_gather(x, group)
+                kept = ag.view(2, -1, 16)  # holds no base in inference mode: only its storage tells
+                y = ag @ w
+                del ag
+        else:  # "saved for backward"
+            w.requires_grad_(True)
+            y = all_gather(x, group) @ w
+        got = y.clone()
+        if how == "kept":
+            seen = ag.clone()
+        elif how == "view kept in inference mode":
+            seen = kept.reshape(-1, 16).clone()
+    ok = torch.equal(got, gathered @ w) and (seen is None or torch.equal(seen, gathered))
+    if how == "saved for backward":
+        y.backward(torch.ones_like(y))  # w.grad = AG(x).t() @ 1: reads the saved gathered tensor
+        ok = ok and torch.equal(w.grad, gathered.t() @ torch.ones_like(y))
+    return {"ok": ok, "copies": copies.count, "stats": dict(pipe.stats)}
+
+
+@pytest.mark.parametrize("how", ["dropped", "kept", "view kept in inference mode", "saved for backward"])
+def test_own_chunk_is_copied_only_if_something_can_read_it(pool, how):
+    for r in pool.run(_own_chunk_worker, 2, how):
+        assert r["ok"], r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+        assert r["copies"] == (0 if how == "dropped" else 1), r

@@ -294,16 +294,16 @@ def _order_worker(rank, group, scale_first):
             name = "data" if shard.dtype == torch.uint8 else "scale"
             consume, wait_chunk = handle.consume, handle.wait_chunk
 
-            def logged_consume(consumer):
+            def logged_consume(consumer, **kwargs):
                 log.append(f"{name}.consume")
                 if consumer is None:
-                    return consume(None)
+                    return consume(None, **kwargs)
 
                 def logged(piece, src, rows):
                     log.append(f"{name}[{src}]")
                     consumer(piece, src, rows)
 
-                return consume(logged)
+                return consume(logged, **kwargs)
 
             def logged_wait_chunk(src):
                 log.append(f"{name}.wait_chunk({src})")
@@ -344,9 +344,12 @@ def test_each_chunk_waits_for_its_own_scale_rows(pool, scale_first):
 
 
 def _landed_worker(rank, group):
-    """A prefetch: independent matmul work overlapped both gathers, so the
-    2-rank ring on gloo takes them as landed (Note [Landed gathers]) and runs
-    the matmul whole, after completing the scale's gather whole."""
+    """A prefetch: independent matmul work overlapped both gathers, which are
+    watched from then on (the 2-rank ring on gloo, Note [Landed gathers]);
+    once both have landed the matmul runs whole, after completing the
+    scale's gather whole."""
+    import time
+
     from eagertp import patterns
 
     data, scale = _quantized_shard(rank, 16)
@@ -354,16 +357,21 @@ def _landed_worker(rank, group):
     one = torch.ones(1, 16)
     a2, b2 = integer_tensor((32, 32), torch.float32, seed=7), integer_tensor((32, 32), torch.float32, seed=8)
 
-    def program():
+    def program(pipe=None):
         x, s = _gather_both(data, scale, group, False)
-        z = a2 @ b2
+        z = (a2 @ b2).clone()  # a read: a2 @ b2 runs while both gathers are in flight
+        if pipe is not None:
+            deadline = time.monotonic() + 10
+            while not all(item.handle.landed() for item in pipe._engine.store.items):
+                assert time.monotonic() < deadline, "the watched gathers never said they landed"
+                time.sleep(0.001)
         return torch._scaled_mm(x, w, s, one, out_dtype=torch.float32), z
 
     expected = program()
     saved, patterns.WHOLE_WHEN_LANDED = patterns.WHOLE_WHEN_LANDED, True
     try:
         with EagerMicroPipeline(min_fuse_bytes=0) as pipe:
-            got = program()
+            got = program(pipe)
     finally:
         patterns.WHOLE_WHEN_LANDED = saved
     ok = all(torch.equal(x, y) for x, y in zip(got, expected))

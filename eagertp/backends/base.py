@@ -59,7 +59,11 @@ class GatherHandle(Protocol):
     already landed at once and on the others as they land, and returns when
     ``ag_out`` holds every chunk (on CUDA: in the current stream's order) and
     the transfer holds nothing of the caller's any more. ``consumer`` may be
-    None (the gather alone: the same messages).
+    None (the gather alone: the same messages). ``own_chunk_unread``: the
+    caller knows that nothing reads this rank's chunk of ``ag_out`` once the
+    consumer has run, so a backend may leave it unwritten, handing the
+    consumer the shard itself (Note [This rank's chunk, unread] in
+    eagertp.engine).
 
     Several handles of one group may be in flight at once. They are started in
     the same order on every rank (program order), but consumed in any order,
@@ -69,7 +73,7 @@ class GatherHandle(Protocol):
     by ``start_all_gather``, never by ``consume``.
     """
 
-    def consume(self, consumer: ChunkConsumer | None) -> None: ...
+    def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None: ...
 
     def wait_chunk(self, src: int) -> None:
         """Return once rank ``src``'s chunk of ``ag_out`` holds its shard (on

@@ -63,7 +63,7 @@ class _AsyncGather:
         self._work, self._chunks = work, chunks
         self._waited = False
 
-    def consume(self, consumer: ChunkConsumer | None) -> None:
+    def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         self._wait()
         consume_in_order(consumer, self._chunks)
 

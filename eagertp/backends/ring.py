@@ -154,7 +154,9 @@ class _P2PGather:
             ops += [dist.P2POp(dist.irecv, chunks[src][r], group=group, group_peer=src) for r in rows]
         with peer_transfer(self._what, group, sources[0] if sources else rank):  # 2 ranks: the one peer
             works = dist.batch_isend_irecv(ops) if ops else []
-        chunks[rank].copy_(shard)  # while the shard is on its way
+        # This rank's chunk of ag_out: copied from the shard when consumed,
+        # unless nothing reads it then (Note [This rank's chunk, unread]).
+        self._shard: torch.Tensor | None = shard
         # (work, the peer it waits for): Note [Waiting on a peer]
         if len(works) == len(ops):  # gloo: one Work per op
             recvs = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.irecv]
@@ -165,13 +167,20 @@ class _P2PGather:
         # consume the sends: a gloo Work may be waited for once only.
         self._recvs = _Receives(recvs, self._what, group, on_cpu=ag_out.device.type == "cpu")
 
+    def _fill_own(self) -> None:
+        if self._shard is not None:
+            self._chunks[self._rank].copy_(self._shard)
+            self._shard = None
+
     def release_shard(self) -> None:
+        self._fill_own()  # NB: before the program overwrites the shard
         self._wait(self._rest)
         if self._recvs:  # gloo: the sends, waited for once (NCCL: the batch's one Work)
             self._rest = []
 
     def wait_chunk(self, src: int) -> None:
         if src == self._rank:
+            self._fill_own()
             return
         if not self._recvs:
             self._wait(self._rest)
@@ -180,10 +189,15 @@ class _P2PGather:
             if s == src:
                 self._recvs.wait(i)
 
-    def consume(self, consumer: ChunkConsumer | None) -> None:
+    def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks, rank = self._chunks, self._rank
         if consumer is not None:
-            consumer(chunks[rank], rank, slice(0, chunks.shape[1]))
+            own = chunks[rank] if self._shard is None else self._shard
+            consumer(own, rank, slice(0, chunks.shape[1]))
+        if own_chunk_unread:
+            self._shard = None
+        else:
+            self._fill_own()  # while the peers' pieces land
         if not self._recvs:
             self._wait(self._rest)
         for i, (src, rows) in enumerate(self._pieces):
@@ -279,7 +293,7 @@ class _ThreadedRing:
         while self._driven <= p:
             self._drive(self._driven)
 
-    def consume(self, consumer: ChunkConsumer | None) -> None:
+    def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks, rank = self._chunks, self._rank
         if consumer is not None:
             consumer(chunks[rank], rank, slice(0, chunks.shape[1]))
@@ -425,7 +439,7 @@ class _InterleavedAllReduce:
         if src != self._rank and self._rows:
             self._reduced.wait(len(self._rows) - 1)
 
-    def consume(self, consumer: ChunkConsumer | None) -> None:
+    def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks = self._chunks
         if consumer is not None:
             consumer(chunks[self._rank], self._rank, slice(0, chunks.shape[1]))

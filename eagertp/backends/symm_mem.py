@@ -207,7 +207,7 @@ class SymmMemGather:
     # event on the stream that started the gather), then the peers in pull order.
     arrivals: list[tuple[int, torch.cuda.Event | None]]
 
-    def consume(self, consumer: ChunkConsumer | None) -> None:
+    def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         """``consumer`` on every chunk, on the current stream, each behind its event."""
         current = torch.cuda.current_stream(self.chunks.device)
         rows = slice(0, self.chunks.shape[1])
