@@ -613,17 +613,17 @@ def _held_by_item_only(t: torch.Tensor) -> bool:
     ``_held_by_item_only(item.attr)``) can reach it: no other Python reference,
     no C++ holder (autograd), no view sharing its storage, no weak reference
     (which could bring it back)."""
-    # NB: untyped_storage() makes a Python storage object: one more use while it lives.
     return (
         sys.getrefcount(t) <= _ONLY_HELD  # NB: called as _python_refs is: see _ONLY_HELD
         and t._use_count() == 1
-        and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
+        and storage_uses(t) == 2  # t and the call's storage object
         and not weakref.getweakrefcount(t)
     )
 
 
 def storage_uses(t: torch.Tensor) -> int:
-    """Tensors (and storage objects) on ``t``'s storage, this call's own included."""
+    """Tensors (and storage objects) on ``t``'s storage, counting the Python
+    storage object this call makes."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 

@@ -416,8 +416,8 @@ class Engine:
         if self.store.touched([shard]) is not None:
             self.complete_owners([shard], "all_gather_into_tensor")
         shard = shard.contiguous()
-        placeholder = out is None
-        if out is None:
+        placeholder = out is None  # else the caller's own buffer, the program's to read
+        if placeholder:
             out = self.placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
         record = self.new_record("all_gather", shard, out, group)
         gather = PendingGather(shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work)
@@ -432,7 +432,7 @@ class Engine:
             backend, gather.backend = self.choose_backend(shard, group)
             record.backend = gather.backend
             gather.handle = backend.start_all_gather(shard, out, group)
-        if placeholder:  # NB: the caller's own buffer is the program's to read
+        if placeholder:
             gather.storage_uses_at_start = storage_uses(out)  # Note [This rank's chunk, unread]
         self.add_gather(gather)
         return out

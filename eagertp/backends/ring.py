@@ -67,6 +67,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -146,21 +147,21 @@ class _P2PGather:
         # (the ring's order, so that sums over chunks add as they always have).
         sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
         self._pieces = [(src, r) for src in sources for r in rows]
-        ops = []
+        ops: list[tuple[Callable, torch.Tensor, int]] = []  # (_isend or _irecv, tensor, peer)
         for step, src in enumerate(sources, start=1):
             dst = (rank + step) % world
-            # NB: sent from the shard itself, before its copy below (Note [Sends from the shard])
-            ops += [dist.P2POp(dist.isend, shard[r], group=group, group_peer=dst) for r in rows]
-            ops += [dist.P2POp(dist.irecv, chunks[src][r], group=group, group_peer=src) for r in rows]
+            # NB: sent from the shard itself (Note [Sends from the shard])
+            ops += [(_isend, shard[r], dst) for r in rows]
+            ops += [(_irecv, chunks[src][r], src) for r in rows]
         with peer_transfer(self._what, group, sources[0] if sources else rank):  # 2 ranks: the one peer
-            works = dist.batch_isend_irecv(ops) if ops else []
+            works = _post(ops, group)
         # This rank's chunk of ag_out: copied from the shard when consumed,
         # unless nothing reads it then (Note [This rank's chunk, unread]).
         self._shard: torch.Tensor | None = shard
         # (work, the peer it waits for): Note [Waiting on a peer]
         if len(works) == len(ops):  # gloo: one Work per op
-            recvs = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.irecv]
-            self._rest = [(w, op.group_peer) for op, w in zip(ops, works) if op.op is dist.isend]
+            recvs = [(w, peer) for (post, _, peer), w in zip(ops, works) if post is _irecv]
+            self._rest = [(w, peer) for (post, _, peer), w in zip(ops, works) if post is _isend]
         else:  # NCCL coalesces a batch into one Work: the first piece waits for all
             recvs, self._rest = [], [(w, sources[0]) for w in works]
         # NB: wait_chunk and consume share the receives, release_shard and
@@ -601,13 +602,21 @@ def piece_rows(
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+# NB: straight to the group, as dist.isend / dist.irecv end up calling it: their
+# checks (a rank of the group, a dense tensor, ...) hold here by construction,
+# and cost about 40 us an op with both cores busy (benchmarks/NOTES.md).
 def _isend(t: torch.Tensor, group: dist.ProcessGroup, group_dst: int, tag: int = 0) -> dist.Work:
-    work = dist.isend(t, group=group, group_dst=group_dst, tag=tag)
-    assert work is not None, "isend on a group this rank belongs to returns a Work"
-    return work
+    return group.send([torch.view_as_real(t) if t.is_complex() else t], group_dst, tag)
 
 
 def _irecv(t: torch.Tensor, group: dist.ProcessGroup, group_src: int, tag: int = 0) -> dist.Work:
-    work = dist.irecv(t, group=group, group_src=group_src, tag=tag)
-    assert work is not None, "irecv on a group this rank belongs to returns a Work"
-    return work
+    return group.recv([torch.view_as_real(t) if t.is_complex() else t], group_src, tag)
+
+
+def _post(ops: list[tuple[Callable, torch.Tensor, int]], group: dist.ProcessGroup) -> list[dist.Work]:
+    """Post ``(_isend or _irecv, tensor, peer)`` in order: one Work each on
+    CPU (gloo), one ``batch_isend_irecv`` elsewhere, which NCCL coalesces."""
+    if not ops or ops[0][1].device.type == "cpu":
+        return [post(t, group, peer) for post, t, peer in ops]
+    p2p = {_isend: dist.isend, _irecv: dist.irecv}
+    return dist.batch_isend_irecv([dist.P2POp(p2p[post], t, group=group, group_peer=peer) for post, t, peer in ops])
