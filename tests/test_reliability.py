@@ -279,6 +279,10 @@ def _lost_peer_worker(rank, group, kind, fate):
                 (all_gather(x, short) @ w).sum()
             elif kind == "all_gather_at_exit":  # pending until the block's exit flushes it
                 all_gather(x, short) @ w
+            elif kind == "all_gather_watched":  # a matmul ran while it was in flight: a thread waits for it
+                ag = all_gather(x, short)
+                (w @ w.t()).sum()
+                (ag @ w).sum()
             elif kind == "all_reduce":  # 2 ranks: the interleaved halves
                 all_reduce(torch.ones(2 * group.size(), 3) @ w.t(), short)
             else:
@@ -294,6 +298,7 @@ def _lost_peer_worker(rank, group, kind, fate):
         ("all_gather_at_exit", 2, "returns"),
         ("all_gather_read", 2, "dies"),
         ("all_gather_read", 3, "returns"),  # the helper-thread ring (gloo, > 2 ranks)
+        ("all_gather_watched", 2, "returns"),  # Note [Landed gathers]: the watcher thread's wait fails
         ("reduce_scatter", 2, "returns"),
         ("all_reduce", 2, "dies"),
     ],
