@@ -214,7 +214,9 @@ class Engine:
     # it is a row-wise scale other consumers read. A write to the shard, or a
     # read of this rank's scale rows, copies it first (``release_shard``,
     # ``wait_chunk``). The test is conservative: any holder it cannot account
-    # for means a copy.
+    # for means a copy. (The >2-rank ring on gloo still copies at the start:
+    # its helper thread posts receives into the placeholder as it goes, so
+    # the storage test could never pass there.)
 
     def release_shards(self, func: torch._ops.OpOverload, written: Sequence[torch.Tensor]) -> None:
         """Before ``func`` writes ``written``, the shard of gathers in flight
