@@ -196,7 +196,7 @@ class _P2PGather:
             own = chunks[rank] if self._shard is None else self._shard
             consumer(own, rank, slice(0, chunks.shape[1]))
         if own_chunk_unread:
-            self._shard = None
+            self._shard = None  # never filled: nothing will read it
         else:
             self._fill_own()  # while the peers' pieces land
         if not self._recvs:
