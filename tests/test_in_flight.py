@@ -503,7 +503,6 @@ def test_watched_receives_say_which_landed_and_hand_on_a_failure():
             receives.wait(i)
     receives.wait(0)  # landed before the failure
     assert receives.landed() is False
-    receives.close()
 
     works = [_BlockingWork() for _ in range(2)]
     receives = _Receives([(w, 1) for w in works], "test", None, on_cpu=True)
@@ -513,7 +512,6 @@ def test_watched_receives_say_which_landed_and_hand_on_a_failure():
     works[1].arrived.set()
     receives.wait(1)
     assert receives.landed() is True
-    receives.close()
 
 
 class _ShardCopies(TorchDispatchMode):
