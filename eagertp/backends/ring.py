@@ -252,8 +252,8 @@ class _ThreadedRing:
         self._recvs = {p: self._links.irecv(chunks[src][r]) for p, (src, r) in enumerate(self._pieces[: len(rows)])}
         chunks[rank].copy_(shard)  # while the shard is on its way
         self._sends: list[dist.Work] = []  # the forwards, appended by whichever thread drives the ring
-        self._thread = threading.Thread(target=self._helper, name="eagertp-ring", daemon=True)
-        self._thread.start()
+        self._helper_done = threading.Event()
+        _thread.start_new_thread(self._helper, ())  # NB: as _Receives.watch: no wait for it to run
 
     def _drive(self, p: int) -> None:
         """Wait for piece ``p``, forward it (posting the receive of the piece
@@ -276,6 +276,8 @@ class _ThreadedRing:
                 self._drive(p)
         except BaseException as e:  # noqa: B036 - handed to consume(), which raises it
             self._failure = e
+        finally:
+            self._helper_done.set()
 
     def wait_chunk(self, src: int) -> None:
         for p, (s, _) in enumerate(self._pieces):
@@ -285,10 +287,10 @@ class _ThreadedRing:
     def _land(self, p: int) -> None:
         """Return once piece ``p`` has landed, driving the ring from here if
         the helper has not got there yet (Note [Who drives the ring])."""
-        if not self._landed[p].is_set() and self._thread.is_alive():
+        if not self._landed[p].is_set() and not self._helper_done.is_set():
             # Take over: the helper finishes the piece it is on, then stops.
             self._stop = True
-            self._thread.join()
+            self._helper_done.wait()
         if self._failure is not None:
             raise self._failure
         while self._driven <= p:
@@ -302,7 +304,7 @@ class _ThreadedRing:
             self._land(p)
             if consumer is not None:
                 consumer(chunks[src][rows], src, rows)
-        self._thread.join()
+        self._helper_done.wait()
         self.release_shard()
         self._links.wait_sent(self._sends)
         self._sends = []
