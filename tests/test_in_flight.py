@@ -10,6 +10,7 @@ leaves the others to their consumers.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -570,3 +571,34 @@ def test_own_chunk_is_copied_only_if_something_can_read_it(pool, how):
         assert r["ok"], r
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
         assert r["copies"] == (0 if how == "dropped" else 1), r
+
+
+def _watcher_threads_worker(rank, group):
+    """Prefetches whose gathers are watched, block after block."""
+    import os
+    import time
+
+    x = integer_tensor((8, 16), F32, seed=rank)
+    a, w = integer_tensor((32, 16), F32, seed=10), integer_tensor((16, 8), F32, seed=11)
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    pipe = EagerMicroPipeline()
+    for _ in range(20):
+        with pipe:
+            ag = all_gather(x, group)
+            (a @ w).sum()  # matmul work while the gather is in flight: watched
+            (ag @ w).sum()
+    deadline = time.monotonic() + 5
+    while threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)  # a watcher may still be returning from its last wait
+    return {"before": before, "after": threads(), "stats": dict(pipe.stats)}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_watcher_threads_end_with_their_gathers(pool):
+    for r in pool.run(_watcher_threads_worker, 2):
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+        assert r["after"] <= r["before"], r
