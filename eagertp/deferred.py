@@ -608,15 +608,17 @@ _ONLY_HELD = _python_refs(_holder.out)
 del _holder
 
 
-def _held_by_item_only(t: torch.Tensor) -> bool:
+def _held_by_item_only(t: torch.Tensor, *, attributes: int = 1, storage_users: int = 2) -> bool:
     """True if nothing but the pending item whose attribute ``t`` is (called as
-    ``_held_by_item_only(item.attr)``) can reach it: no other Python reference,
-    no C++ holder (autograd), no view sharing its storage, no weak reference
-    (which could bring it back)."""
+    ``_held_by_item_only(item.attr)``) can reach it: no other Python reference
+    (``attributes``: how many of the item's attributes hold ``t``), no C++
+    holder (autograd), no other tensor on its storage (``storage_users``, as
+    ``storage_uses`` counts them: by default ``t`` and the call's storage
+    object), no weak reference (which could bring it back)."""
     return (
-        sys.getrefcount(t) <= _ONLY_HELD  # NB: called as _python_refs is: see _ONLY_HELD
+        sys.getrefcount(t) <= _ONLY_HELD + attributes - 1  # NB: called as _python_refs is: see _ONLY_HELD
         and t._use_count() == 1
-        and storage_uses(t) == 2  # t and the call's storage object
+        and storage_uses(t) == storage_users
         and not weakref.getweakrefcount(t)
     )
 
@@ -625,18 +627,6 @@ def storage_uses(t: torch.Tensor) -> int:
     """Tensors (and storage objects) on ``t``'s storage, counting the Python
     storage object this call makes."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-def _held_by_gather_only(out: torch.Tensor, storage_uses_at_start: int) -> bool:
-    """``_held_by_item_only`` for a gather's ``out`` (called as
-    ``f(gather.out, ...)``), which its dim-0 view holds too, and whose storage
-    the backend's views share."""
-    return (
-        sys.getrefcount(out) <= _ONLY_HELD + 1  # NB: PendingGather.out and views[0].tensor
-        and out._use_count() == 1
-        and not weakref.getweakrefcount(out)
-        and storage_uses(out) == storage_uses_at_start
-    )
 
 
 def _unobserved(product: Product) -> bool:
@@ -752,7 +742,11 @@ class PendingGather:
         Python reference to it, no C++ holder (autograd), no weak reference,
         and no tensor on its storage that was not there when it started (a view
         the program kept, in inference mode too, where views hold no base)."""
-        return self.storage_uses_at_start is not None and _held_by_gather_only(self.out, self.storage_uses_at_start)
+        # NB: two attributes hold it (``out`` and ``views[0].tensor``); the
+        # backend's views share its storage, counted when the gather started.
+        return self.storage_uses_at_start is not None and _held_by_item_only(
+            self.out, attributes=2, storage_users=self.storage_uses_at_start
+        )
 
     def scale_gathers(self) -> list[PendingGather]:
         """The gathers whose rows this one's consumers take as ``scale_a``."""

@@ -485,14 +485,19 @@ class _Receives:
         """Return once receives ``0..i`` have landed."""
         if not self._landed:  # not watched
             while self._count <= i:
-                work, peer = self._works[self._count]
-                wait_for_peer(work, self._what, self._group, peer)
-                self._count += 1
+                self._receive_next()
             return
         self._landed[i].wait()  # NB: bounded: the watcher's waits time out as ours would
         if self._count <= i:
             assert self._failure is not None, "the watcher stopped early without a failure"
             raise self._failure
+
+    def _receive_next(self) -> None:
+        """Wait for receive ``count`` (Note [Waiting on a peer]): on one thread
+        only, the consuming one or, once watched, the watcher."""
+        work, peer = self._works[self._count]
+        wait_for_peer(work, self._what, self._group, peer)
+        self._count += 1
 
     def watch(self) -> None:
         """From now on, wait for the receives on a thread of their own (gloo:
@@ -509,9 +514,7 @@ class _Receives:
     def _watch(self) -> None:
         try:
             while self._count < len(self._works):
-                work, peer = self._works[self._count]
-                wait_for_peer(work, self._what, self._group, peer)
-                self._count += 1
+                self._receive_next()
                 self._landed[self._count - 1].set()
         except BaseException as e:  # noqa: B036 - raised by wait() on the consuming thread
             self._failure = e
