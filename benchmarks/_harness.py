@@ -1,5 +1,19 @@
 """What every benchmark here shares: spawning gloo ranks (optionally behind a
-rate-limited loopback in a fresh network namespace), timing, and output.
+rate-limited link in fresh network namespaces), timing, and output.
+
+Shaped links (``--link-rate RATE``), so that transfers take wire time instead
+of CPU copy time, in two forms (``--duplex``):
+
+    half (default): every rank in one namespace, its loopback shaped with tbf:
+        one queue carries both ranks' sends, so a 2-rank exchange takes twice
+        a one-way transfer (a shared bus; the rig issue #14's targets were set on)
+    full: each rank in a namespace of its own, its veth port on a bridge
+        shaped both ways (rank -> bridge, bridge -> rank): a switch with
+        full-duplex ports, as NVLink, InfiniBand and Ethernet are; an exchange
+        takes one transfer's time
+
+    full, 2 ranks:   rank 0 [r0] ==tbf==> [s0] br0 [s1] ==tbf==> [r1] rank 1
+                            [r0] <==tbf== [s0]     [s1] <==tbf== [r1]
 
 Timing: every sample is taken on all ranks between barriers, and the slowest
 rank's time counts (a collective is as fast as its slowest member). Reported
@@ -23,6 +37,9 @@ from collections.abc import Callable
 from typing import Any
 
 IN_NETNS_FLAG = "--in-netns"
+# --duplex full: the ranks' namespaces, in rank order (set for the spawned ranks).
+RANK_NETNS_ENV = "EAGERTP_BENCH_RANK_NETNS"
+_SUBNET = "10.213.0"  # rank i is .{i + 1}, inside namespaces of its own only
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +52,14 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="run the ranks in a new network namespace whose loopback is shaped with "
         "`tc qdisc ... tbf rate RATE` (e.g. 2gbit): transfers take wire time instead of "
         "CPU copy time. Needs root and iproute2.",
+    )
+    parser.add_argument(
+        "--duplex",
+        choices=["half", "full"],
+        default="half",
+        help="with --link-rate: half: one shaped loopback that both directions share (an exchange "
+        "takes twice a one-way transfer); full: a namespace per rank on a bridge, each port "
+        "shaped both ways, as real links are",
     )
     parser.add_argument(
         "--ring-pieces",
@@ -78,7 +103,12 @@ def _entry(rank, world, port, args, worker, results) -> None:
 
     warnings.simplefilter("ignore", FutureWarning)  # funcol's deprecations, once per rank otherwise
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    host = "127.0.0.1"
+    if os.environ.get(RANK_NETNS_ENV):  # --duplex full: this rank's own namespace and port
+        _enter_netns(os.environ[RANK_NETNS_ENV].split(",")[rank])
+        os.environ["GLOO_SOCKET_IFNAME"] = f"r{rank}"
+        host = f"{_SUBNET}.1"  # rank 0 holds the store
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world)
     apply_ring_pieces(args.ring_pieces)
     try:
         result = worker(rank, world, args)
@@ -92,6 +122,11 @@ def _entry(rank, world, port, args, worker, results) -> None:
     from eagertp._compat import exit_spawned_rank
 
     exit_spawned_rank(0)
+
+
+def link_name(args: argparse.Namespace) -> str:
+    """The link the ranks ran on, as the benchmarks print it."""
+    return f"{args.link_rate} ({args.duplex} duplex)" if args.link_rate else "loopback"
 
 
 def apply_ring_pieces(overrides: list[str]) -> None:
@@ -116,22 +151,69 @@ def _run_in_shaped_netns(args: argparse.Namespace) -> Any:
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         raise SystemExit("--link-rate needs root and iproute2 (ip, tc); run without it for plain loopback")
     name = f"eagertp-bench-{os.getpid()}"
+    made: list[str] = []
+
+    def ip(*cmd: str, ns: str | None = None) -> None:
+        subprocess.run([*(["ip", "netns", "exec", ns] if ns else []), *cmd], check=True)
+
+    def shape(dev: str, ns: str) -> None:
+        # NB: burst must hold at least one packet (loopback's MTU, 64 KiB).
+        ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", args.link_rate, "burst", "1mb",
+           "latency", "100ms", ns=ns)
+
+    def add_netns(ns: str) -> None:
+        ip("ip", "netns", "add", ns)
+        made.append(ns)
+        ip("ip", "link", "set", "lo", "up", ns=ns)
+
+    env = dict(os.environ)
     try:
-        subprocess.run(["ip", "netns", "add", name], check=True)
-        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        # NB: burst must hold at least one loopback packet (MTU 64 KiB).
-        subprocess.run(
-            ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-             "rate", args.link_rate, "burst", "1mb", "latency", "100ms"],
-            check=True,
-        )
-        cmd = ["ip", "netns", "exec", name, sys.executable, *sys.argv, IN_NETNS_FLAG]
-        done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+        if args.duplex == "half":
+            add_netns(name)
+            shape("lo", name)
+            driver_ns = name
+        else:
+            switch = f"{name}-sw"
+            add_netns(switch)
+            ip("ip", "link", "add", "br0", "type", "bridge", ns=switch)
+            ip("ip", "link", "set", "br0", "up", ns=switch)
+            ranks = [f"{name}-r{i}" for i in range(args.world_size)]
+            for i, ns in enumerate(ranks):
+                add_netns(ns)
+                ip("ip", "link", "add", f"r{i}", "netns", ns, "type", "veth", "peer", "name", f"s{i}", "netns", switch)
+                ip("ip", "addr", "add", f"{_SUBNET}.{i + 1}/24", "dev", f"r{i}", ns=ns)
+                # NB: loopback's MTU, so that packets (and the CPU per byte) are as in half duplex.
+                for dev, where in ((f"r{i}", ns), (f"s{i}", switch)):
+                    ip("ip", "link", "set", dev, "mtu", "65000", ns=where)
+                    shape(dev, where)
+                ip("ip", "link", "set", f"s{i}", "master", "br0", ns=switch)
+                ip("ip", "link", "set", f"s{i}", "up", ns=switch)
+                ip("ip", "link", "set", f"r{i}", "up", ns=ns)
+            driver_ns = ranks[0]
+            env[RANK_NETNS_ENV] = ",".join(ranks)
+        cmd = ["ip", "netns", "exec", driver_ns, sys.executable, *sys.argv, IN_NETNS_FLAG]
+        done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env)
     except subprocess.CalledProcessError as e:
         raise SystemExit(f"benchmark in network namespace {name} failed: {e}") from None
     finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False, stderr=subprocess.DEVNULL)
+        for ns in reversed(made):  # NB: deleting a namespace deletes its veth ends
+            subprocess.run(["ip", "netns", "delete", ns], check=False, stderr=subprocess.DEVNULL)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _enter_netns(ns: str) -> None:
+    """Move this process (before it opens any socket or starts gloo's threads,
+    which inherit it) into network namespace ``ns`` (``ip netns`` made it)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {ns} failed")
+    finally:
+        os.close(fd)
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], group, *, repeats: int, warmup: int) -> dict[str, float]:

@@ -280,7 +280,7 @@ def main(argv=None) -> int:
         if r["op"] in PREFETCH_OPS:
             r["t_eager_bound"] = max(r["t_comm"], r["t_mm"]) + r["t_mm"]
         _add_hand(r)
-    link = args.link_rate or "loopback"
+    link = _harness.link_name(args)
     print(f"overlap: {args.world_size} ranks, gloo on {link}, {args.dtype}, medians of {args.repeats} (ms)")
     times = ("t_comm", "t_mm", "t_unfused", "t_fused", "t_limit", "t_eager_bound", "t_hand", "t_move")
     ms = [{**r, **{key: r[key] * 1e3 for key in times if key in r}} for r in results]

@@ -43,9 +43,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with _harness.quiet_warnings():
         result = _harness.run(args, _worker)
-    print(f"gloo on {args.link_rate or 'loopback'}, {args.world_size} ranks")
+    print(f"gloo on {_harness.link_name(args)}, {args.world_size} ranks")
     print(result.pop("render"))
-    _harness.write_json(args.json, {"link": args.link_rate or "loopback", **result})
+    _harness.write_json(args.json, {"link": _harness.link_name(args), **result})
     return 0
 
 

@@ -22,6 +22,12 @@ communication time eagertp removes from the step:
 
     hidden = (t_unfused - t_fused) / (t_unfused - t_bound)
 
+The floor is the bound run under an empty ``TorchDispatchMode``: what any
+Python dispatch mode (eagertp's pass-through costs as much: overhead.py) adds
+to every op of the step. eagertp cannot go below it; ``floor - bound`` is the
+mode's share of eagertp's excess over the bound, the rest is its fused calls
+and the communication they leave exposed.
+
 Its values differ from the real step's (partial sums are not summed), which
 does not matter for timing: they are copies of real data, never uninitialised
 memory that could hold NaN or inf and slow the matmuls down.
@@ -84,6 +90,13 @@ class _NoCommunication:
         del self._lib
 
 
+class _EmptyMode(TorchDispatchMode):
+    """Every op through Python and on unchanged: the floor's dispatch cost."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 class _OnlyStandIns(TorchDispatchMode):
     """Fails on a communication op the bound has no stand-in for (raw c10d, or
     another funcol collective): the bound would include its time."""
@@ -137,8 +150,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     x = local_input(torch.randn(args.batch, args.seq, args.dim, generator=g), args.sequence_parallel, rank, world)
 
-    def step(context) -> torch.Tensor:
-        with context:
+    def step(*contexts) -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context)
             loss = F.mse_loss(model(x), torch.zeros_like(x))
             loss.backward()
         for p in model.parameters():
@@ -160,6 +175,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             "t_unfused": lambda: step(contextlib.nullcontext()),
             "t_fused": lambda: step(pipe),
             "t_bound": lambda: step(_NoCommunication()),
+            "t_floor": lambda: step(_NoCommunication(), _EmptyMode()),
         },
         group,
         repeats=args.repeats,
@@ -189,7 +205,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with _harness.quiet_warnings():
         r = _harness.run(args, _worker)
-    link = args.link_rate or "loopback"
+    link = _harness.link_name(args)
     r["link"] = link
     print(
         f"train_step: {r['world_size']} ranks, gloo on {link}, "
@@ -205,6 +221,7 @@ def main(argv=None) -> int:
         f"{r['fused_ops_per_step']} fused, {r['unfused_ops_per_step']} unfused collectives per step)"
     )
     print(f"  bound (no communication)  {r['t_bound'] * 1e3:8.1f} ms")
+    print(f"  floor (the bound under an empty TorchDispatchMode)  {r['t_floor'] * 1e3:8.1f} ms")
     exposed = r["t_unfused"] - r["t_bound"]
     r["hidden"] = (r["t_unfused"] - r["t_fused"]) / exposed if exposed > 0 else None
     if r["hidden"] is None:

@@ -5,8 +5,10 @@ shows, in a subprocess bounded by a timeout; timings are never asserted."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -39,6 +41,19 @@ def test_overlap_times_every_form():
                "--warmup", "0", "--min-fuse-bytes", "0")
     for form in forms:
         assert re.search(rf"^ *{form} +256 +256 +64 .* fused ", out, re.MULTILINE), out
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")), reason="shaping a link needs root and iproute2"
+)
+@pytest.mark.parametrize("duplex", ["half", "full"])
+def test_shaped_links_run_and_leave_no_namespace_behind(duplex):
+    out = _run("overlap.py", "--ops", "all_gather_matmul", "--m", "256", "--k", "256", "--n", "64", "--repeats", "1",
+               "--warmup", "0", "--min-fuse-bytes", "0", "--link-rate", "1gbit", "--duplex", duplex)
+    assert f"gloo on 1gbit ({duplex} duplex)" in out, out
+    assert re.search(r"^ *all_gather_matmul +256 +256 +64 .* fused ", out, re.MULTILINE), out
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert "eagertp-bench-" not in left, left
 
 
 def test_memory_stays_within_one_chunk_of_unfused():
