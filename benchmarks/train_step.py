@@ -22,11 +22,12 @@ communication time eagertp removes from the step:
 
     hidden = (t_unfused - t_fused) / (t_unfused - t_bound)
 
-The floor is the bound run under an empty ``TorchDispatchMode``: what any
-Python dispatch mode (eagertp's pass-through costs as much: overhead.py) adds
-to every op of the step. eagertp cannot go below it; ``floor - bound`` is the
-mode's share of eagertp's excess over the bound, the rest is its fused calls
-and the communication they leave exposed.
+The floor is the bound run under an empty ``TorchDispatchMode`` (overhead.py's
+``BareEmptyMode``, which skips Dynamo's wrapper as eagertp's mode does): what
+any Python dispatch mode adds to every op of the step. eagertp's pass-through
+costs a little more per op (overhead.py), so it cannot go below the floor;
+``floor - bound`` is the dispatch share of eagertp's excess over the bound, the
+rest is its fused calls and the communication they leave exposed.
 
 Its values differ from the real step's (partial sums are not summed), which
 does not matter for timing: they are copies of real data, never uninitialised
@@ -40,6 +41,7 @@ import sys
 import warnings
 
 import _harness
+from overhead import BareEmptyMode
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -88,13 +90,6 @@ class _NoCommunication:
     def __exit__(self, *exc) -> None:
         self._lib._destroy()
         del self._lib
-
-
-class _EmptyMode(TorchDispatchMode):
-    """Every op through Python and on unchanged: the floor's dispatch cost."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 class _OnlyStandIns(TorchDispatchMode):
@@ -175,7 +170,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             "t_unfused": lambda: step(contextlib.nullcontext()),
             "t_fused": lambda: step(pipe),
             "t_bound": lambda: step(_NoCommunication()),
-            "t_floor": lambda: step(_NoCommunication(), _EmptyMode()),
+            "t_floor": lambda: step(_NoCommunication(), BareEmptyMode()),
         },
         group,
         repeats=args.repeats,
