@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import warnings
@@ -216,13 +217,30 @@ def _enter_netns(ns: str) -> None:
         os.close(fd)
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], group, *, repeats: int, warmup: int) -> dict[str, float]:
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], group, *, repeats: int, warmup: int, rounds: list[dict[str, float]] | None = None
+) -> dict[str, float]:
     """For each function, the median over samples of the slowest rank's seconds,
-    sampled round-robin (``eagertp.calibrate.time_round_robin``)."""
+    sampled round-robin (``eagertp.calibrate.time_round_robin``); ``rounds``,
+    if given, receives each round's samples by name."""
     from eagertp.calibrate import time_round_robin
 
-    times = time_round_robin(list(fns.values()), group, repeats=repeats, warmup=warmup)
+    by_round: list[list[float]] = []
+    times = time_round_robin(list(fns.values()), group, repeats=repeats, warmup=warmup, rounds=by_round)
+    if rounds is not None:
+        rounds.extend(dict(zip(fns, r)) for r in by_round)
     return dict(zip(fns, times))
+
+
+def ratio_spread(rounds: list[dict[str, float]], num: str, den: str) -> tuple[float, float, float]:
+    """``num / den`` taken within each round: (lower quartile, median, upper
+    quartile). Both run in the same round, close in time, so machine drift
+    mostly cancels; the spread says how far one run's ratio can be trusted."""
+    ratios = sorted(r[num] / r[den] for r in rounds)
+    if len(ratios) < 2:
+        return ratios[0], ratios[0], ratios[0]
+    q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q2, q3
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -22,6 +22,11 @@ communication time eagertp removes from the step:
 
     hidden = (t_unfused - t_fused) / (t_unfused - t_bound)
 
+Besides the ratio of medians, the speedup is taken within each round
+(unfused and eagertp run in the same round, close in time, so this shared
+machine's drift mostly cancels): its median and quartiles say how far one
+run's ratio can be trusted.
+
 The floor is the bound run under an empty ``TorchDispatchMode`` (overhead.py's
 ``BareEmptyMode``, which skips Dynamo's wrapper as eagertp's mode does): what
 any Python dispatch mode adds to every op of the step. eagertp's pass-through
@@ -165,6 +170,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
         min_fuse_bytes = calibrate_min_fuse_bytes(group, k=args.dim, repeats=5, warmup=1).min_fuse_bytes
     pipe = EagerMicroPipeline(backend=args.backend, min_fuse_bytes=min_fuse_bytes)
+    rounds: list[dict[str, float]] = []
     t = _harness.time_interleaved(
         {
             "t_unfused": lambda: step(contextlib.nullcontext()),
@@ -175,6 +181,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         group,
         repeats=args.repeats,
         warmup=args.warmup,
+        rounds=rounds,
     )
     stats = dict(pipe.stats)
     return {
@@ -187,6 +194,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         "backend": pipe.backend,
         "min_fuse_bytes": min_fuse_bytes,
         **t,
+        # unfused / eagertp within each round: quartiles
+        "speedup_in_rounds": _harness.ratio_spread(rounds, "t_unfused", "t_fused"),
         "fused_ops_per_step": sum(
             stats.get(k, 0) for k in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
         ),
@@ -215,6 +224,8 @@ def main(argv=None) -> int:
         f"  eagertp        {r['t_fused'] * 1e3:8.1f} ms   ({r['t_unfused'] / r['t_fused']:.2f}x; "
         f"{r['fused_ops_per_step']} fused, {r['unfused_ops_per_step']} unfused collectives per step)"
     )
+    q1, q2, q3 = r["speedup_in_rounds"]
+    print(f"  speedup within each round: median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x")
     print(f"  bound (no communication)  {r['t_bound'] * 1e3:8.1f} ms")
     print(f"  floor (the bound under an empty TorchDispatchMode)  {r['t_floor'] * 1e3:8.1f} ms")
     exposed = r["t_unfused"] - r["t_bound"]

@@ -140,17 +140,21 @@ def time_round_robin(
     device: str | torch.device = "cpu",
     repeats: int,
     warmup: int,
+    rounds: list[list[float]] | None = None,
 ) -> list[float]:
     """Per function, the median over samples of the slowest rank's seconds.
 
     Every sample is taken on all ranks between barriers (CUDA work is waited
     for). Round ``i`` runs every function once, in an order shuffled anew each
     round, so that drift on a shared machine lands on all of them alike and
-    their ratios stay meaningful. All ranks must call it together.
+    their ratios stay meaningful. All ranks must call it together. ``rounds``,
+    if given, receives each timed round's samples (one per function, in the
+    order of ``fns``), for ratios taken within a round.
     """
     device = torch.device(device)
     samples: list[list[float]] = [[] for _ in fns]
     for i in range(warmup + repeats):
+        this_round = [0.0] * len(fns)
         # NB: a new order each round, the same on every rank (seeded by the
         # round): drift hits all alike, and no function always follows the same
         # one (a shaped link's token bucket refills behind a transfer-free one).
@@ -164,8 +168,12 @@ def time_round_robin(
                 torch.cuda.synchronize(device)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-            if i >= warmup:
-                samples[f].append(elapsed.item())
+            this_round[f] = elapsed.item()
+        if i >= warmup:
+            for f, t in enumerate(this_round):
+                samples[f].append(t)
+            if rounds is not None:
+                rounds.append(this_round)
     return [statistics.median(s) for s in samples]
 
 

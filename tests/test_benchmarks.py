@@ -31,6 +31,8 @@ def test_train_step_reports_eagertp_against_unfused_and_the_bound(plan):
                "--repeats", "1", "--warmup", "0", *plan)
     assert re.search(r"eagertp +[\d.]+ ms +\([\d.]+x; \d+ fused, \d+ unfused collectives per step\)", out), out
     assert "bound (no communication)" in out and "hidden" in out, out
+    assert re.search(r"speedup within each round: median [\d.]+x, quartiles [\d.]+x-[\d.]+x", out), out
+    assert "floor (the bound under an empty TorchDispatchMode)" in out, out
     assert ("size rule calibrated on this link: min_fuse_bytes = {" in out) == bool(plan), out
 
 

@@ -6,7 +6,7 @@ import pytest
 from expecttest import assert_expected_inline
 
 from eagertp import EagerMicroPipeline
-from eagertp.calibrate import calibrate_min_fuse_bytes
+from eagertp.calibrate import calibrate_min_fuse_bytes, time_round_robin
 
 SIZES = [4096, 8192]  # per rank: 16 and 32 rows of k=64 float32
 
@@ -34,6 +34,26 @@ def test_calibration_measures_every_kind_and_ranks_agree(pool):
     assert all(row["t_plain"] > 0 and row["t_fused"] > 0 for row in r["table"])
     assert r["defaults_untouched"]
     assert r["render"].startswith("size rule calibration on group '2' (2 ranks), cpu, f32, k=64")
+
+
+def _round_robin_worker(rank, group):
+    import statistics
+    import time
+
+    rounds = []
+    medians = time_round_robin([lambda: None, lambda: time.sleep(0.002)], group, repeats=3, warmup=2, rounds=rounds)
+    return {"medians": medians, "rounds": rounds, "per_function": [statistics.median(col) for col in zip(*rounds)]}
+
+
+def test_round_robin_hands_out_each_timed_round(pool):
+    """Ratios within a round (benchmarks/train_step.py's spread) need every
+    timed round's samples, in the order of the functions, warmup left out."""
+    results = pool.run(_round_robin_worker, 2)
+    assert results[0] == results[1], "every rank gets the slowest rank's samples"
+    r = results[0]
+    assert len(r["rounds"]) == 3 and all(len(samples) == 2 for samples in r["rounds"]), r["rounds"]
+    assert all(sleeper >= 0.002 and idle < sleeper for idle, sleeper in r["rounds"]), r["rounds"]
+    assert r["per_function"] == r["medians"], r
 
 
 def test_calibration_threshold_rule():
