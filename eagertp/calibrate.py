@@ -151,8 +151,10 @@ def time_round_robin(
     if given, receives each timed round's samples (one per function, in the
     order of ``fns``), for ratios taken within a round.
     """
+    if repeats < 1:
+        raise ValueError(f"time_round_robin: repeats={repeats}; the medians need at least one timed round")
     device = torch.device(device)
-    samples: list[list[float]] = [[] for _ in fns]
+    timed: list[list[float]] = []  # per timed round, one sample per function
     for i in range(warmup + repeats):
         this_round = [0.0] * len(fns)
         # NB: a new order each round, the same on every rank (seeded by the
@@ -170,11 +172,10 @@ def time_round_robin(
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
             this_round[f] = elapsed.item()
         if i >= warmup:
-            for f, t in enumerate(this_round):
-                samples[f].append(t)
-            if rounds is not None:
-                rounds.append(this_round)
-    return [statistics.median(s) for s in samples]
+            timed.append(this_round)
+    if rounds is not None:
+        rounds.extend(timed)
+    return [statistics.median(samples) for samples in zip(*timed)]
 
 
 def _threshold(rows: list[dict], tolerance: float) -> int:

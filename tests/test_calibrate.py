@@ -56,6 +56,11 @@ def test_round_robin_hands_out_each_timed_round(pool):
     assert r["per_function"] == r["medians"], r
 
 
+def test_round_robin_needs_a_timed_round():
+    with pytest.raises(ValueError, match=r"time_round_robin: repeats=0; the medians need at least one timed round"):
+        time_round_robin([lambda: None], group=None, repeats=0, warmup=1)
+
+
 def test_calibration_threshold_rule():
     """The smallest size from which fused is no slower (within the tolerance) at
     every larger size."""
