@@ -80,6 +80,8 @@ def run(args: argparse.Namespace, worker: Callable[[int, int, argparse.Namespace
     With ``--link-rate`` (and not yet inside), re-run this script inside a
     shaped network namespace and return what it wrote.
     """
+    if args.duplex == "full" and not args.link_rate:
+        raise SystemExit("--duplex full shapes a link: give its rate with --link-rate (e.g. 2gbit)")
     if args.link_rate and not args.in_netns:
         return _run_in_shaped_netns(args)
     import torch.multiprocessing as mp
