@@ -1,12 +1,15 @@
 """HuggingFace transformers' own tensor parallelism as a client.
 
-A tiny random Llama (2 layers, hidden 64) is saved locally and loaded back with
+Tiny random models (2 layers, hidden 64) are saved locally and loaded back with
 ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))``:
-transformers shards it with its model's own plan (colwise q/k/v/gate/up,
-rowwise o/down, a vocab-sharded embedding, a colwise lm_head gathered before the
-loss) and runs TP without sequence parallel, i.e. on all-reduces. One forward +
-backward under ``EagerMicroPipeline`` must equal plain eager, and every
-all-reduce of a matmul output must be fused.
+transformers shards each with its family's own plan and runs TP without
+sequence parallel, i.e. on all-reduces. Llama: colwise q/k/v/gate/up, rowwise
+o/down, a vocab-sharded embedding, a colwise lm_head gathered before the loss.
+Qwen3, Mixtral and Phi-3 add what other plans do: all-reduced norm-weight
+gradients, MoE experts, products all-gathered along the last dim
+(``_OTHER_PLANS``). One forward + backward under ``EagerMicroPipeline`` must
+equal plain eager (logits, loss, every gradient), every all-reduce of a matmul
+output must be fused, and every other collective unfused with its reason.
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
@@ -21,49 +24,71 @@ import collections
 import contextlib
 import os
 
+import pytest
 import torch
 from helpers import OpCounter
 from multirank import WORLD
 
 from eagertp import EagerMicroPipeline
 
-_GRADS = [  # a few parameters' gradients, compared as full tensors
-    "model.embed_tokens.weight",
-    "model.layers.0.self_attn.q_proj.weight",
-    "model.layers.0.self_attn.o_proj.weight",
-    "model.layers.1.mlp.down_proj.weight",
-    "model.layers.1.post_attention_layernorm.weight",
-    "lm_head.weight",
-]
+# family -> its config beyond the shared tiny shape (4 heads and 4 KV heads:
+# split over the pool's 4 ranks). What each plan adds: _OTHER_PLANS.
+_FAMILIES = {
+    "llama": {},
+    "qwen3": {},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "phi3": {},
+}
 
 
-def _hf_worker(rank, group, path):
+def _save_tiny(family: str, path: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        family,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=64,
+        # NB: some families' default pad token (phi3: 32000) is past this vocabulary
+        **({} if family == "llama" else {"pad_token_id": 0}),
+        **_FAMILIES[family],
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def _hf_worker(rank, group, path, families):
     import torch.distributed as dist
 
     os.environ["HF_HUB_OFFLINE"] = "1"  # never reach for the hub
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.distributed.configuration_utils import DistributedConfig
     from transformers.utils import logging
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
-    if rank == 0:
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            vocab_size=128,
-            max_position_embeddings=64,
+    reports = {}
+    for family in families:
+        if rank == 0:
+            _save_tiny(family, os.path.join(path, family))
+        dist.barrier(group)
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.join(path, family),
+            distributed_config=DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size(group)),
+            dtype=torch.float32,
         )
-        LlamaForCausalLM(config).save_pretrained(path)
-    dist.barrier(group)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, distributed_config=DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size(group)), dtype=torch.float32
-    )
-    assert all(type(p).__name__ == "DTensor" for n, p in model.named_parameters() if n.endswith("proj.weight"))
+        assert any(type(p).__name__ == "DTensor" for p in model.parameters()), f"{family}: not sharded"
+        reports[family] = _compare_step(model)
+    return reports
+
+
+def _compare_step(model) -> dict:
+    """One forward + backward, plain eager then under EagerMicroPipeline: are
+    the logits, the loss and every gradient close, and what ran."""
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))  # 16 rows: split over 4 ranks
 
     def step(ctx):
@@ -71,12 +96,11 @@ def _hf_worker(rank, group, path):
         with ctx:
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
-        params = dict(model.named_parameters())
-        grads = [params[n].grad for n in _GRADS]
-        return [out.logits.detach(), out.loss.detach(), *grads]
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return {"logits": out.logits.detach(), "loss": out.loss.detach(), **grads}
 
     def full(tensors):  # outside the counters: full_tensor() all-gathers
-        return [t.full_tensor() if hasattr(t, "full_tensor") else t for t in tensors]
+        return {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in tensors.items()}
 
     eager_counter = OpCounter()
     with eager_counter:
@@ -86,15 +110,15 @@ def _hf_worker(rank, group, path):
     with counter:
         got = step(pipe)
     got = full(got)
-    close = []
-    for g, e in zip(got, expected):
+    mismatches = {}
+    for name, e in expected.items():
         try:
-            torch.testing.assert_close(g, e)
-            close.append(True)
-        except AssertionError as err:
-            close.append(str(err))
+            torch.testing.assert_close(got.get(name), e)
+        except (AssertionError, TypeError) as err:  # TypeError: no gradient under eagertp
+            mismatches[name] = str(err)
     return {
-        "close": close,
+        "compared": sorted(expected),
+        "mismatches": mismatches,
         "stats": dict(pipe.stats),
         "explain": pipe.explain(),
         "eager_collectives": dict(collections.Counter(eager_counter.collectives)),
@@ -102,15 +126,32 @@ def _hf_worker(rank, group, path):
     }
 
 
-def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(pool, tmp_path):
+@pytest.fixture(scope="module")
+def hf_reports(pool, tmp_path_factory):
+    """Every family's report from every rank, from one run of the pool."""
     try:
-        results = pool.run(_hf_worker, WORLD, str(tmp_path))
+        results = pool.run(_hf_worker, WORLD, str(tmp_path_factory.mktemp("hf")), list(_FAMILIES))
     finally:
         # NB: transformers stays imported in the workers (its lazy modules, its
         # threads): later tests that count live objects get fresh ones.
         pool.restart()
+    return {family: [r[family] for r in results] for family in _FAMILIES}
+
+
+def _check_common(reports, family: str) -> None:
+    """Same answers, every gradient present; the deferred collectives issued
+    as ring messages, never as the program wrote them."""
+    for r in reports:
+        assert not r["mismatches"], (family, r["mismatches"])
+        assert len(r["compared"]) > 10, (family, r["compared"])  # logits, loss and the gradients
+        assert "all_reduce" not in r["collectives"] and "all_gather_into_tensor" not in r["collectives"], (family, r)
+        assert r["collectives"]["send"] > 0, (family, r)
+
+
+def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(hf_reports):
+    results = hf_reports["llama"]
+    _check_common(results, "llama")
     for r in results:
-        assert all(c is True for c in r["close"]), r["close"]  # logits, loss, gradients
         # Plain eager: 16 all-reduces (explain() names each one's input). 15 reduce a matmul output: forward, each
         # layer's rowwise o_proj and down_proj (4); backward, the input gradient
         # of each colwise linear, q/k/v/gate/up in both layers and lm_head (11).
@@ -120,8 +161,6 @@ def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(pool, tmp_p
         # Every matmul all-reduce fused; the other two unfused, each with its
         # reason, on the ring too (a peer could have fused its own: Invariant 2).
         assert r["stats"] == {"matmul_all_reduce": 15, "unfused_all_reduce": 1, "unfused_all_gather": 1}, r
-        assert "all_reduce" not in r["collectives"] and "all_gather_into_tensor" not in r["collectives"], r
-        assert r["collectives"]["send"] > 0, r
         lines = r["explain"].splitlines()
         assert sum("fused with mm" in line for line in lines) == 15, r["explain"]
         unfused = [line for line in lines if "fused with" not in line]
@@ -130,3 +169,64 @@ def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(pool, tmp_p
         assert unfused[0].endswith("not fused [ring]: its input is not the pending output of a matmul"), unfused
         assert unfused[1].startswith("all_gather #0 f32[2, 8, 32] -> f32[8, 8, 32]"), unfused
         assert "not fused [ring]: no matmul consumed it before aten._log_softmax.default" in unfused[1], unfused
+
+
+# family -> (plain eager's collectives, eagertp's stats, c10d ops eagertp issued as
+# written, unfused explain() reasons: (count, text in the line)).
+_OTHER_PLANS = {
+    # Llama's 15 matmul all-reduces, plus 4 raw c10d all_reduce_ of the q/k norm
+    # weight gradients (HF's "replicated_with_grad_allreduce" hooks): 1-d, so
+    # their rows do not split, a shape-only reason every rank agrees on, so
+    # they are issued as the program wrote them.
+    "qwen3": (
+        {"all_reduce": 16, "allreduce_": 4, "all_gather_into_tensor": 1},
+        {"matmul_all_reduce": 15, "unfused_all_reduce": 5, "unfused_all_gather": 1},
+        {"allreduce_": 4},
+        [(4, "not fused: the rows of f32[128] (all dims but the last) do not split over 4 ranks"),
+         (1, "not fused [ring]: its input is not the pending output of a matmul"),
+         (1, "not fused [ring]: no matmul consumed it before aten._log_softmax.default")],
+    ),
+    # Attention as Llama's (o_proj forward, q/k/v backward, lm_head: 9 fused);
+    # the experts' outputs and input gradients (index_add sums over experts,
+    # raw c10d all_reduce_ among them), the router's gradient and the
+    # embedding are not matmul outputs: on the ring, unfused, with the reason.
+    "mixtral": (
+        {"all_reduce": 10, "allreduce_": 6, "all_gather_into_tensor": 1},
+        {"matmul_all_reduce": 9, "unfused_all_reduce": 7, "unfused_all_gather": 1},
+        {},
+        [(7, "not fused [ring]: its input is not the pending output of a matmul"),
+         (1, "not fused [ring]: no matmul consumed it before aten._log_softmax.default")],
+    ),
+    # "colwise_gather_output": each layer's packed qkv and gate_up products are
+    # all-gathered along the last dim (forward), as are the gradients of the
+    # "rowwise_split_input" inputs (backward), and lm_head's output: 9 gathers
+    # of matmul outputs, which eagertp does not fuse (it fuses a gather's
+    # consumers, and these are elementwise), each with the reason.
+    "phi3": (
+        {"all_reduce": 10, "all_gather_into_tensor": 9},
+        {"matmul_all_reduce": 9, "unfused_all_reduce": 1, "unfused_all_gather": 9},
+        {},
+        [(1, "not fused [ring]: its input is not the pending output of a matmul"),
+         (9, "not fused [ring]: no matmul consumed it before ")],
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(_OTHER_PLANS))
+def test_hf_transformers_tp_plans_of_other_families(hf_reports, family):
+    """Same answers as plain eager for every gradient, every all-reduce of a
+    matmul output fused, and every other collective unfused with its reason."""
+    eager, stats, as_written, reasons = _OTHER_PLANS[family]
+    results = hf_reports[family]
+    _check_common(results, family)
+    for r in results:
+        assert r["eager_collectives"] == eager, r
+        assert r["stats"] == stats, r
+        issued = {op: n for op, n in r["collectives"].items() if op not in ("send", "recv_")}
+        assert issued == as_written, r
+        lines = r["explain"].splitlines()
+        assert sum("fused with mm" in line for line in lines) == stats["matmul_all_reduce"], r["explain"]
+        unfused = [line for line in lines if "fused with" not in line]
+        assert len(unfused) == sum(n for n, _ in reasons), r["explain"]
+        for n, text in reasons:
+            assert sum(text in line for line in unfused) == n, (text, r["explain"])
