@@ -15,6 +15,13 @@ of CPU copy time, in two forms (``--duplex``):
     full, 2 ranks:   rank 0 [r0] ==tbf==> [s0] br0 [s1] ==tbf==> [r1] rank 1
                             [r0] <==tbf== [s0]     [s1] <==tbf== [r1]
 
+tbf's burst (``--link-burst``) is one packet by default, as on a wire: a link
+that idled moves the next bytes no faster. A larger bucket fills while the link
+idles and then lets that many bytes through at memory speed: with 1 MB, a 512
+KiB exchange took 0.7 ms after an idle spell against 4.2 ms back to back
+(benchmarks/NOTES.md, session 10), which favours a collective issued after a
+matmul (plain eager's) over one overlapped with it.
+
 Timing: every sample is taken on all ranks between barriers, and the slowest
 rank's time counts (a collective is as fast as its slowest member). Reported
 numbers are medians over ``--repeats`` samples after ``--warmup`` unrecorded
@@ -41,6 +48,9 @@ IN_NETNS_FLAG = "--in-netns"
 # --duplex full: the ranks' namespaces, in rank order (set for the spawned ranks).
 RANK_NETNS_ENV = "EAGERTP_BENCH_RANK_NETNS"
 _SUBNET = "10.213.0"  # rank i is .{i + 1}, inside namespaces of its own only
+# tbf's smallest burst: it must hold one packet (loopback's MTU, 64 KiB, and the
+# veths' 65000, plus headers), or packets larger than the bucket never leave.
+ONE_PACKET = "70kb"
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +71,14 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="with --link-rate: half: one shaped loopback that both directions share (an exchange "
         "takes twice a one-way transfer); full: a namespace per rank on a bridge, each port "
         "shaped both ways, as real links are",
+    )
+    parser.add_argument(
+        "--link-burst",
+        default=ONE_PACKET,
+        help="with --link-rate: tbf's burst, the bytes an idle link lets through at once before the rate "
+        "applies. Default: one packet (a wire: nothing moves faster after idling). 1mb was the default "
+        "before 2026-12-02: a transfer after an idle spell (plain eager's, after its matmul) then skips "
+        "up to 1 MB of wire time",
     )
     parser.add_argument(
         "--ring-pieces",
@@ -129,7 +147,10 @@ def _entry(rank, world, port, args, worker, results) -> None:
 
 def link_name(args: argparse.Namespace) -> str:
     """The link the ranks ran on, as the benchmarks print it."""
-    return f"{args.link_rate} ({args.duplex} duplex)" if args.link_rate else "loopback"
+    if not args.link_rate:
+        return "loopback"
+    burst = "" if args.link_burst == ONE_PACKET else f", burst {args.link_burst}"
+    return f"{args.link_rate} ({args.duplex} duplex{burst})"
 
 
 def apply_ring_pieces(overrides: list[str]) -> None:
@@ -160,8 +181,7 @@ def _run_in_shaped_netns(args: argparse.Namespace) -> Any:
         subprocess.run([*(["ip", "netns", "exec", ns] if ns else []), *cmd], check=True)
 
     def shape(dev: str, ns: str) -> None:
-        # NB: burst must hold at least one packet (loopback's MTU, 64 KiB).
-        ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", args.link_rate, "burst", "1mb",
+        ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", args.link_rate, "burst", args.link_burst,
            "latency", "100ms", ns=ns)
 
     def add_netns(ns: str) -> None:

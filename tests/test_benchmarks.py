@@ -48,11 +48,13 @@ def test_overlap_times_every_form():
 @pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")), reason="shaping a link needs root and iproute2"
 )
-@pytest.mark.parametrize("duplex", ["half", "full"])
-def test_shaped_links_run_and_leave_no_namespace_behind(duplex):
+@pytest.mark.parametrize("duplex, burst", [("half", []), ("full", ["--link-burst", "1mb"])])
+def test_shaped_links_run_and_leave_no_namespace_behind(duplex, burst):
     out = _run("overlap.py", "--ops", "all_gather_matmul", "--m", "256", "--k", "256", "--n", "64", "--repeats", "1",
-               "--warmup", "0", "--min-fuse-bytes", "0", "--link-rate", "1gbit", "--duplex", duplex)
-    assert f"gloo on 1gbit ({duplex} duplex)" in out, out
+               "--warmup", "0", "--min-fuse-bytes", "0", "--link-rate", "1gbit", "--duplex", duplex, *burst)
+    # The default burst (one packet) goes unsaid; another is named.
+    link = f"{duplex} duplex, burst 1mb" if burst else f"{duplex} duplex"
+    assert f"gloo on 1gbit ({link})" in out, out
     assert re.search(r"^ *all_gather_matmul +256 +256 +64 .* fused ", out, re.MULTILINE), out
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert "eagertp-bench-" not in left, left
