@@ -3,14 +3,19 @@ with and without the mode, must produce the same values.
 
 A program is a list of steps over one activation that is either sharded along
 its rows (sequence parallel) or whole on every rank. Gathers, reduce-scatters,
-linears (with and without bias, or over two rows at a time), weight gradients
+all-reduces (of a linear's output or a sum of two, out of place through funcol
+or in place through raw c10d, or a max of whatever the activation is), linears
+(with and without bias, or over two rows at a time), weight gradients
 contracting the rows, views, elementwise ops, several consumers of one tensor,
 reads and flushes mix freely; reads and flushes may happen on one
 rank only, which is exactly what schedule invariance must survive. Weights are
 signed permutations, so values stay integers below 3**10 (weight gradients,
 summing at most 24 rows of them against +-1, below 2**24) and plain eager and
 eagertp must agree bitwise; half the programs run under bf16 autocast, where
-both round the same values the same way. The size rule's threshold is drawn too,
+both round the same values the same way. A summing all-reduce takes a linear of
+the activation clamped to [-8, 8], so that its sums over at most 4 ranks stay
+integers bf16 holds exactly, in whatever order a backend adds them; a max
+all-reduce is exact in any order. The size rule's threshold is drawn too,
 so fused, deferred-then-plain and never-deferred collectives mix.
 """
 
@@ -32,6 +37,7 @@ ON_WHOLE = ["scatter", "scatter_dim1"]
 ANYWHERE = [
     "linear", "linear_bias", "linear_wide", "qkv_sum", "wgrad", "relu", "view", "add_self", "cat_batch", "cat_hidden",
     "read0", "read1", "flush0", "flush_both",
+    "linear_all_reduce", "linear_all_reduce_c10d", "sum_all_reduce", "all_reduce_max",
 ]
 
 
@@ -47,8 +53,9 @@ def programs(draw) -> list[str]:
 
 
 def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0):
+    import torch.distributed as dist
     import torch.nn.functional as F
-    from helpers import all_gather, integer_tensor, reduce_scatter
+    from helpers import all_gather, all_reduce, integer_tensor, reduce_scatter
 
     from eagertp import EagerMicroPipeline
 
@@ -85,6 +92,17 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0):
                 x = F.linear(x, weight(i), torch.ones(WIDTH))
             elif step == "qkv_sum":
                 x = F.linear(x, weight(i)) + F.linear(x, weight(i + 100)) + F.linear(x, weight(i + 200))
+            elif step == "linear_all_reduce":  # a row-parallel linear's output (no SP)
+                x = all_reduce(F.linear(x.clamp(-8, 8), weight(i)), group)
+            elif step == "linear_all_reduce_c10d":  # Megatron-style: raw c10d, in place
+                y = F.linear(x.clamp(-8, 8), weight(i))
+                dist.all_reduce(y, group=group)
+                x = y
+            elif step == "sum_all_reduce":  # a sum of products, as the q/k/v input gradient
+                c = x.clamp(-4, 4)
+                x = all_reduce(F.linear(c, weight(i)) + F.linear(c, weight(i + 100)), group)
+            elif step == "all_reduce_max":  # whatever x is: pending gather, product or plain
+                x = all_reduce(x, group, "max")
             elif step == "relu":
                 x = torch.relu(x).clamp(max=64)
             elif step == "view":
