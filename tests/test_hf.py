@@ -81,7 +81,8 @@ def _hf_worker(rank, group, path, families):
             distributed_config=DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size(group)),
             dtype=torch.float32,
         )
-        assert any(type(p).__name__ == "DTensor" for p in model.parameters()), f"{family}: not sharded"
+        projections = [(n, type(p).__name__) for n, p in model.named_parameters() if n.endswith("proj.weight")]
+        assert projections and all(kind == "DTensor" for _, kind in projections), (family, projections)
         reports[family] = _compare_step(model)
     return reports
 
