@@ -136,17 +136,11 @@ class Engine:
             )
         return group
 
-    @contextlib.contextmanager
-    def issuing_work(self):
+    def issuing_work(self) -> _IssuingWork:
         """Ops issued inside pass through the mode, and fill placeholders below
         autograd: tensors autograd saved for backward are these same storages,
         and their version counters must not move."""
-        was_issuing, self.issuing = self.issuing, True
-        try:
-            with torch._C._AutoDispatchBelowADInplaceOrView():
-                yield
-        finally:
-            self.issuing = was_issuing
+        return _IssuingWork(self)
 
     # -- completing pending work -------------------------------------------
 
@@ -743,6 +737,30 @@ class Engine:
         collective (Note [Products past their collective])."""
         self.before_collective = self.store.last_tid
         return self.trace.new_collective(kind, src=tensor_str(src), dst=tensor_str(dst), group=group_str(group))
+
+
+class _IssuingWork:
+    """``Engine.issuing_work()``. NB: a class, not a generator under
+    ``contextlib.contextmanager``: entered twice or more per fused call, where
+    the generator's machinery cost about 1.5 us each (benchmarks/NOTES.md,
+    session 11)."""
+
+    __slots__ = ("engine", "was_issuing", "below_autograd")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        self.below_autograd = torch._C._AutoDispatchBelowADInplaceOrView()
+        self.below_autograd.__enter__()
+        engine = self.engine
+        self.was_issuing, engine.issuing = engine.issuing, True
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.below_autograd.__exit__(*exc)
+        finally:
+            self.engine.issuing = self.was_issuing
 
 
 def _matmuls(n: int) -> str:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -212,20 +211,31 @@ class PeerError(RuntimeError):
     issuing the collectives this rank issued."""
 
 
-@contextlib.contextmanager
-def peer_transfer(what: str, group: dist.ProcessGroup, peer: int) -> Iterator[None]:
+class peer_transfer:  # noqa: N801 - used as a function: `with peer_transfer(...)`
     """Posting or waiting for a transfer with ``peer`` (its rank in ``group``): a
     failure (gloo: the group's timeout, or a closed connection) re-raised as a
     ``PeerError`` naming ``what`` (the collective and its shapes), the group and
-    the peer."""
-    try:
-        yield
-    except RuntimeError as e:
-        if isinstance(e, PeerError):
-            raise
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    the peer.
+
+    NB: a class, not a generator under ``contextlib.contextmanager``: every post
+    and wait of the ring enters one, and the generator's machinery cost about
+    1.5 us each (benchmarks/NOTES.md, session 11)."""
+
+    __slots__ = ("what", "group", "peer")
+
+    def __init__(self, what: str, group: dist.ProcessGroup, peer: int) -> None:
+        self.what, self.group, self.peer = what, group, peer
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, e, tb) -> None:
+        if exc_type is None or not issubclass(exc_type, RuntimeError) or issubclass(exc_type, PeerError):
+            return
+        group, peer = self.group, self.peer
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else exc_type.__name__
         raise PeerError(
-            f"eagertp: {what} on {group_str(group)}: rank {group.rank()} waited for rank {peer} "
+            f"eagertp: {self.what} on {group_str(group)}: rank {group.rank()} waited for rank {peer} "
             f"({_global_rank(group, peer)}) and the transfer failed: {cause}. A peer died or "
             f"stopped issuing collectives: every rank must issue the same collectives in the "
             f"same order; see rank {peer}'s own error first."

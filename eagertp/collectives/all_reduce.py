@@ -111,7 +111,8 @@ def all_reduce(
     why_not = _why_not_fuse_all_reduce(found, shard)
     if why_not is None:
         product, _ = found
-        engine.store.remove(product)
+        if in_place:  # the all-reduce overwrites its output: nothing reads the product after
+            engine.store.remove(product)
         plan = ReduceScatterPlan(shard, reduce_op, group, record, product=product)
     else:
         # NB: still the ring's messages (Invariant 2): a peer may fuse its own.
@@ -146,7 +147,6 @@ def all_reduce(
         # stays readable (computed in full only if read). In place, the
         # all-reduce overwrote it: nothing can read it any more.
         product.absorbed = True
-        engine.store.add_product(product)
     # NB: after the start: the gather half is in flight behind them.
     engine.complete_past(func, product.tid - 1)
     engine.stats["matmul_all_reduce"] += 1

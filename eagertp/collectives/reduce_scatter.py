@@ -65,7 +65,6 @@ def reduce_scatter(
     )
     if found is not None and why_not is None:
         product, scatter_view = found
-        engine.store.remove(product)
         engine.complete_past(func, product.tid - 1)  # NB: before the scatter allocates its buffers
         plan = ReduceScatterPlan(out, reduce_op, group, record, product=product, scatter_view=scatter_view)
         _issue(engine, plan, "")
@@ -73,7 +72,6 @@ def reduce_scatter(
         # program may still read the product's own output: it stays pending,
         # computed in full only if something reads it, skipped otherwise.
         product.absorbed = True
-        engine.store.add_product(product)
         return out
     if engine.store.touched([inp]) is not None:
         engine.complete_owners([inp], func)
