@@ -322,7 +322,8 @@ class ReduceScatterPlan:
                 product.compute_rows(runs_for(c), buf.view(runs, -1, n))
                 return
             chunk = select_for(c)
-            product.compute_rows(lambda t: select(chunk(t)), buf.view(-1, n))
+            rows = buf if buf.dim() == 2 and buf.shape[1] == n else buf.view(-1, n)
+            product.compute_rows(chunk if select is all_rows else lambda t: select(chunk(t)), rows)
 
         return self._in_pieces(produce_chunk, n)
 

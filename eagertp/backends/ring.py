@@ -147,13 +147,15 @@ class _P2PGather:
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
         # (the ring's order, so that sums over chunks add as they always have).
         sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
-        self._pieces = [(src, r) for src in sources for r in rows]
+        # (src, rows, the piece's view of ag_out)
+        self._pieces = [(src, r, piece) for src in sources for r, piece in zip(rows, pieces_of(chunks[src], rows))]
         ops: list[tuple[Callable, torch.Tensor, int]] = []  # (_isend or _irecv, tensor, peer)
+        shard_pieces = pieces_of(shard, rows)
         for step, src in enumerate(sources, start=1):
             dst = (rank + step) % world
             # NB: sent from the shard itself (Note [Sends from the shard])
-            ops += [(_isend, shard[r], dst) for r in rows]
-            ops += [(_irecv, chunks[src][r], src) for r in rows]
+            ops += [(_isend, piece, dst) for piece in shard_pieces]
+            ops += [(_irecv, piece, src) for s, _, piece in self._pieces if s == src]
         with peer_transfer(self._what, group, sources[0] if sources else rank):  # 2 ranks: the one peer
             works = _post(ops, group)
         # This rank's chunk of ag_out: copied from the shard when consumed,
@@ -187,7 +189,7 @@ class _P2PGather:
         if not self._recvs:
             self._wait(self._rest)
             return
-        for i, (s, _) in enumerate(self._pieces):
+        for i, (s, _, _) in enumerate(self._pieces):
             if s == src:
                 self._recvs.wait(i)
 
@@ -202,12 +204,12 @@ class _P2PGather:
             self._fill_own()  # while the peers' pieces land
         if not self._recvs:
             self._wait(self._rest)
-        for i, (src, rows) in enumerate(self._pieces):
+        for i, (src, rows, piece) in enumerate(self._pieces):
             if self._recvs:
                 self._recvs.wait(i)
             if consumer is not None:
                 # The consumer of one piece overlaps the transfers of the pieces after it.
-                consumer(chunks[src][rows], src, rows)
+                consumer(piece, src, rows)
         self._wait(self._rest)
         self._rest = []
 
@@ -354,26 +356,27 @@ class _Links:
         combine = _COMBINE[reduce_op]
         send_buf, recv_buf = torch.empty_like(out), torch.empty_like(out)
         spare = torch.empty_like(out) if world > 2 else None
+        received = pieces_of(recv_buf, rows)
         # NB: every receive is posted as soon as its buffer is free, so that a
         # peer's piece can move while this rank computes (gloo moves a message
         # once both sides have posted it).
-        recvs = [self.irecv(recv_buf[r]) for r in rows]
+        recvs = [self.irecv(piece) for piece in received]
         sends = []
-        for r in rows:  # each piece goes out as soon as it is made
-            producer((rank - 1) % world, send_buf[r], r)
-            sends.append(self.isend(send_buf[r]))
+        for r, piece in zip(rows, pieces_of(send_buf, rows)):  # each piece goes out as soon as it is made
+            producer((rank - 1) % world, piece, r)
+            sends.append(self.isend(piece))
         for step in range(1, world):
             last = step == world - 1
             acc = out if last else spare
             forwards, next_recvs = [], []
-            for r, recv in zip(rows, recvs):
+            for r, piece, got, recv in zip(rows, pieces_of(acc, rows), received, recvs):
                 # This rank's share of chunk c overlaps the transfer of the partial sum of c.
-                producer((rank - step - 1) % world, acc[r], r)
+                producer((rank - step - 1) % world, piece, r)
                 self.wait_received(recv)
-                combine(acc[r], recv_buf[r])
+                combine(piece, got)
                 if not last:
-                    next_recvs.append(self.irecv(recv_buf[r]))  # the next step's piece r
-                    forwards.append(self.isend(acc[r]))
+                    next_recvs.append(self.irecv(got))  # the next step's piece r
+                    forwards.append(self.isend(piece))
             recvs = next_recvs
             if not last:
                 self.wait_sent(sends)  # send_buf is free again
@@ -419,23 +422,26 @@ class _InterleavedAllReduce:
         self._rows = rows = piece_rows(own, "all_reduce")
         combine = _COMBINE[reduce_op]
         partial, sent = torch.empty_like(own), torch.empty_like(own)
+        partial_pieces = pieces_of(partial, rows)
+        self._peer_pieces = pieces_of(peer, rows)
         # NB: both receives posted first, in the order the peer sends: its
         # partial sums of this rank's chunk, then its reduced chunk.
-        partials = [links.irecv(partial[r]) for r in rows]
+        partials = [links.irecv(piece) for piece in partial_pieces]
         self._reduced = _Receives(
-            [(links.irecv(peer[r]), self._peer) for r in rows], links.what, group, on_cpu=out.device.type == "cpu"
+            [(links.irecv(piece), self._peer) for piece in self._peer_pieces],
+            links.what, group, on_cpu=out.device.type == "cpu",
         )
         self._sends = []
-        for r in rows:
-            producer(self._peer, sent[r], r)
-            self._sends.append(links.isend(sent[r]))
-        for r, recv in zip(rows, partials):
-            producer(rank, own[r], r)
+        for r, piece in zip(rows, pieces_of(sent, rows)):
+            producer(self._peer, piece, r)
+            self._sends.append(links.isend(piece))
+        for r, piece, got, recv in zip(rows, pieces_of(own, rows), partial_pieces, partials):
+            producer(rank, piece, r)
             links.wait_received(recv)
-            combine(own[r], partial[r])
+            combine(piece, got)
             if reduce_op == "avg":
-                own[r].div_(2)
-            self._sends.append(links.isend(own[r]))
+                piece.div_(2)
+            self._sends.append(links.isend(piece))
         self._sent = sent  # NB: the sends read it until they complete
 
     def wait_chunk(self, src: int) -> None:
@@ -446,10 +452,10 @@ class _InterleavedAllReduce:
         chunks = self._chunks
         if consumer is not None:
             consumer(chunks[self._rank], self._rank, slice(0, chunks.shape[1]))
-        for i, r in enumerate(self._rows):
+        for i, (r, piece) in enumerate(zip(self._rows, self._peer_pieces)):
             self._reduced.wait(i)
             if consumer is not None:
-                consumer(chunks[self._peer][r], self._peer, r)
+                consumer(piece, self._peer, r)
         self.release_shard()
         self._sent = None
 
@@ -584,6 +590,14 @@ PIECES: dict[str, tuple[int, int]] = {
     "reduce_scatter": (1, 64 << 10),
     "all_reduce": (2, 512 << 10),
 }
+
+
+def pieces_of(t: torch.Tensor, rows: list[slice]) -> list[torch.Tensor]:
+    """``[t[r] for r in rows]``, with ``t`` itself for one piece of all its rows
+    (NB: the common case, and a tensor index costs several us on the ring's path)."""
+    if len(rows) == 1 and rows[0].start == 0 and rows[0].stop == t.shape[0]:
+        return [t]
+    return [t[r] for r in rows]
 
 
 def piece_rows(

@@ -71,8 +71,19 @@ def unavailable_reason(t: torch.Tensor, group: dist.ProcessGroup) -> str | None:
 
 def static_reason(t: torch.Tensor) -> str | None:
     """What the device and the torch build say, without communicating."""
-    if t.device.type != "cuda":
-        return f"symmetric memory needs CUDA tensors, this collective's are on {t.device.type}"
+    device_type = t.device.type
+    if device_type not in _static_reasons:  # NB: asked for every collective `auto` serves
+        _static_reasons[device_type] = _static_reason(device_type)
+    return _static_reasons[device_type]
+
+
+# device type -> static_reason's answer, which the process's torch build fixes.
+_static_reasons: dict[str, str | None] = {}
+
+
+def _static_reason(device_type: str) -> str | None:
+    if device_type != "cuda":
+        return f"symmetric memory needs CUDA tensors, this collective's are on {device_type}"
     module = _symm_mem_module()
     if module is None:
         return "this torch has no torch.distributed._symmetric_memory"
