@@ -61,9 +61,9 @@ def cuda_median_ms(fn, repeats: int) -> float:
 def check_device(device: int, args: argparse.Namespace) -> list[dict]:
     import torch
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
     from eagertp import EagerMicroPipeline
+    from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 
     torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -75,8 +75,8 @@ def check_device(device: int, args: argparse.Namespace) -> list[dict]:
         a = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16, generator=g)
         b = torch.randn(args.k, args.n, device="cuda", dtype=torch.bfloat16, generator=g)
         cases = {
-            "all_gather_matmul": lambda: funcol.all_gather_tensor(a, 0, group) @ b,
-            "matmul_reduce_scatter": lambda: funcol.reduce_scatter_tensor(a @ b, "sum", 0, group).wait(),
+            "all_gather_matmul": lambda: funcol_all_gather(a, 0, group) @ b,
+            "matmul_reduce_scatter": lambda: funcol_reduce_scatter(a @ b, "sum", 0, group).wait(),
         }
         rows = []
         for op, program in cases.items():
@@ -131,9 +131,9 @@ def _shared_worker(rank: int, port: int, args: argparse.Namespace, results) -> N
 def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
     import torch
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
     from eagertp import EagerMicroPipeline
+    from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 
     device, backend = ("cpu", "ring") if args.shared_dry_run else ("cuda", "symm_mem")
     if device == "cuda":
@@ -152,15 +152,15 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
         # op -> (program, the stat that proves it fused, atol)
         cases = {
             "all_gather_matmul": (
-                lambda x: funcol.all_gather_tensor(x, 0, group) @ b.to(x.device), "all_gather_matmul", 2e-2
+                lambda x: funcol_all_gather(x, 0, group) @ b.to(x.device), "all_gather_matmul", 2e-2
             ),
             # A weight gradient: every chunk adds into one output (ordered across
             # streams). Its sums of m products reach ~sqrt(m): a bf16 ulp is ~0.25 there.
             "all_gather_contraction": (
-                lambda x: funcol.all_gather_tensor(x, 0, group).t() @ h.to(x.device), "all_gather_matmul", 5e-1
+                lambda x: funcol_all_gather(x, 0, group).t() @ h.to(x.device), "all_gather_matmul", 5e-1
             ),
             "matmul_reduce_scatter": (
-                lambda x: funcol.reduce_scatter_tensor(x @ b.to(x.device), "sum", 0, group).wait(),
+                lambda x: funcol_reduce_scatter(x @ b.to(x.device), "sum", 0, group).wait(),
                 "matmul_reduce_scatter",
                 2e-2,
             ),

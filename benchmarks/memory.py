@@ -53,11 +53,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
     import torch
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     import torch.nn.functional as F
     from torch.distributed.device_mesh import DeviceMesh
 
     from eagertp import EagerMicroPipeline
+    from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
     from eagertp.demo import build_model
 
     group = dist.group.WORLD
@@ -66,10 +66,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     a, b = torch.randn(m, k), torch.randn(k, n)
 
     def ag_mm():
-        return funcol.all_gather_tensor(shard, 0, group) @ b
+        return funcol_all_gather(shard, 0, group) @ b
 
     def mm_rs():
-        return funcol.reduce_scatter_tensor(a @ b, "sum", 0, group).wait()
+        return funcol_reduce_scatter(a @ b, "sum", 0, group).wait()
 
     mesh = DeviceMesh("cpu", list(range(world)))
     model_args = ap.Namespace(dim=args.dim, heads=8, layers=1)

@@ -26,7 +26,7 @@ below 0.5 at the balance point.
 ``all_gather_indep_matmul`` is the prefetch form: the program issues the
 all-gather, then a matmul that does not read it, then the gather's consumer::
 
-    ag = funcol.all_gather_tensor(shard, 0, group)   # shard M/W x K
+    ag = funcol_all_gather(shard, 0, group)   # shard M/W x K
     z = a2 @ b2                                      # independent: M x K @ K x N
     y = ag @ w                                       # consumer:    M x K @ K x N
 
@@ -102,7 +102,7 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
 
     import hand_schedules as hand
 
-    from eagertp._compat import all_gather_single, reduce_scatter_single
+    from eagertp._compat import all_gather_single, funcol_all_gather, funcol_reduce_scatter, reduce_scatter_single
 
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(seed)
@@ -117,7 +117,7 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
             all_gather_single(gathered, shard, group=group)
 
         def program():
-            funcol.all_gather_tensor(shard, gather_dim, group) @ b
+            funcol_all_gather(shard, gather_dim, group) @ b
 
         schedule = hand.all_gather_matmul if gather_dim == 0 else hand.all_gather_matmul_k
         hand_fns = {p: schedule(shard, b, p) for p in hand.PIECES}
@@ -133,7 +133,7 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
             all_gather_single(gathered, shard, group=group)
 
         def program():
-            ag = funcol.all_gather_tensor(shard, 0, group)  # async: in flight during a2 @ b2
+            ag = funcol_all_gather(shard, 0, group)  # async: in flight during a2 @ b2
             z = a2 @ b2
             # NB: both results returned, so nothing can skip either matmul as unobserved.
             return z, ag @ b
@@ -164,7 +164,7 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
             reduce_scatter_single(out, c, group=group)
 
         def program():
-            funcol.reduce_scatter_tensor(a @ b, "sum", 0, group).wait()
+            funcol_reduce_scatter(a @ b, "sum", 0, group).wait()
 
         hand_fns = {p: hand.matmul_reduce_scatter(a, b, p) for p in hand.PIECES}
         moved = [out]
