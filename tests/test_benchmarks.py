@@ -45,6 +45,14 @@ def test_overlap_times_every_form():
         assert re.search(rf"^ *{form} +256 +256 +64 .* fused ", out, re.MULTILINE), out
 
 
+def test_call_cost_splits_a_fused_call_into_phases():
+    out = _run("call_cost.py", "--m", "256", "--n", "64", "--repeats", "1", "--warmup", "0")
+    assert re.search(r"^ *256 +256 +64 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$", out, re.MULTILINE), out
+    phases = re.search(r"^ *64((?: +[\d.]+){8})$", out, re.MULTILINE)
+    assert phases is not None, out
+    assert float(phases.group(1).split()[4]) > 0, f"the ring's phase was never marked: {out}"
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")), reason="shaping a link needs root and iproute2"
 )
