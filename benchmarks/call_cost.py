@@ -72,19 +72,15 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     rs_op = torch.ops._c10d_functional.reduce_scatter_tensor.default
     handler, produce = HANDLERS[rs_op], ring.RingBackend.produce_reduce_scatter
 
-    def marked_handler(*a):
-        marks["handler"] = time.perf_counter()
-        try:
-            return handler(*a)
-        finally:
-            marks["handled"] = time.perf_counter()
+    def marked(fn, start: str, stop: str):
+        def call(*a):
+            marks[start] = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                marks[stop] = time.perf_counter()
 
-    def marked_produce(*a):
-        marks["ring"] = time.perf_counter()
-        try:
-            return produce(*a)
-        finally:
-            marks["ringed"] = time.perf_counter()
+        return call
 
     def one_n(n: int) -> dict:
         m = k = args.m
@@ -129,7 +125,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             **{f"p_{p}": statistics.median(v[-args.repeats :]) for p, v in phases.items()},
         }
 
-    HANDLERS[rs_op], ring.RingBackend.produce_reduce_scatter = marked_handler, marked_produce
+    HANDLERS[rs_op] = marked(handler, "handler", "handled")
+    ring.RingBackend.produce_reduce_scatter = marked(produce, "ring", "ringed")
     try:
         return [one_n(n) for n in args.n]
     finally:
