@@ -208,6 +208,11 @@ def _report(args, mesh, pipe, losses, times, match: bool, max_diff: float) -> No
         f"\nmedian step time (forward + backward): plain {t_plain * 1e3:.1f} ms, "
         f"eagertp {t_fused * 1e3:.1f} ms ({t_plain / t_fused:.2f}x)\n"
     )
+    if "RANK" not in os.environ:  # spawned here (main), not launched by torchrun
+        out.write(
+            "(a few steps on one host, whose cores run gloo's transfers as copies beside the matmuls: noisy, "
+            "with little to hide; `python benchmarks/train_step.py [--link-rate 2gbit]` measures it properly)\n"
+        )
     stats = pipe.stats
     if args.sequence_parallel:
         fused = (

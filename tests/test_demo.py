@@ -33,6 +33,8 @@ def test_demo_output_is_header_to_verdict_with_nothing_on_stderr():
     assert lines[0].startswith("eagertp demo: 2 ranks (gloo, cpu)"), done.stdout
     assert lines[-1].startswith("fused ops in the last step: 4 all_gather_matmul"), done.stdout
     assert lines[-1].endswith(")") and "losses match plain eager: yes" in lines[-1], done.stdout
+    # Spawned on one host: the step times come with how to read them.
+    assert lines[-2].startswith("(a few steps on one host") and "train_step.py" in lines[-2], done.stdout
 
 
 def test_demo_without_sequence_parallel_fuses_every_all_reduce():
