@@ -26,7 +26,7 @@ below 0.5 at the balance point.
 ``all_gather_indep_matmul`` is the prefetch form: the program issues the
 all-gather, then a matmul that does not read it, then the gather's consumer::
 
-    ag = funcol_all_gather(shard, 0, group)   # shard M/W x K
+    ag = funcol.all_gather_single(shard, 0, group)   # shard M/W x K
     z = a2 @ b2                                      # independent: M x K @ K x N
     y = ag @ w                                       # consumer:    M x K @ K x N
 
