@@ -191,7 +191,7 @@ import torch.distributed as dist
 
 from eagertp._format import dtype_str, tensor_str
 from eagertp.backends.base import GatherHandle
-from eagertp.trace import CollectiveRecord, Meta
+from eagertp.trace import CollectiveRecord, Lazy, Meta
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -396,9 +396,9 @@ class PendingMatmul(_Standalone):
     def name(self) -> str:
         return self.op.__name__.split(".")[0]
 
-    def describe(self) -> str:
-        via = "" if self.operand in (None, Operand.ROWS) else f" (gathered {self.operand.value})"
-        return f"{self.name}{via} -> ${self.tid}"
+    def describe(self) -> Lazy:
+        """``mm (gathered cols) -> $3``, formatted when read (Note [Formatted when read])."""
+        return Lazy(_describe_matmul, self.op, self.operand, self.tid)
 
     def trace_event(self) -> tuple:
         """``(render, *args)`` for ``Trace.event``: no tensors kept, formatted later.
@@ -566,6 +566,11 @@ class PendingCast(_Standalone):
 
 
 Product = PendingMatmul | PendingSum | PendingCast
+
+
+def _describe_matmul(op: torch._ops.OpOverload, operand: Operand | None, tid: int) -> str:
+    via = "" if operand in (None, Operand.ROWS) else f" (gathered {operand.value})"
+    return f"{op.__name__.split('.')[0]}{via} -> ${tid}"
 
 
 def _render_matmul(

@@ -50,7 +50,7 @@ from eagertp.deferred import (
     tensor_leaves,
 )
 from eagertp.patterns import AllGatherMatmulPlan, gather_signature
-from eagertp.trace import CollectiveRecord, Meta, Reason, Trace
+from eagertp.trace import CollectiveRecord, Meta, Reason, Text, Trace
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class Engine:
         # The latest trace id recorded before the latest collective on a managed
         # group: products up to it are past their collective (Note [Products past their collective]).
         self.before_collective = -1
+        self._group_strs: dict[dist.ProcessGroup, str] = {}  # Engine.group_str
 
     def reset(self) -> None:
         self.stats.clear()
@@ -108,6 +109,7 @@ class Engine:
         self.matmul_work = 0
         self._deferral_bytes.clear()
         self.before_collective = -1
+        self._group_strs.clear()
 
     def _never_fused_below(self, device_type: str) -> int:
         """Matmul outputs smaller than this (bytes, in the widest cast) can feed
@@ -374,7 +376,7 @@ class Engine:
             if plan.fused:
                 self._count_fused(gather, plan)
                 gather.record.gather_half_with = plan.fused_with()
-            self.trace.event(f"{plan.render()} [{gather.backend}]")
+            self.trace.event(*plan.trace_event(gather.backend))
             return
         if gather.scale_of:
             self.stats["fused_scale_gathers"] += 1
@@ -385,13 +387,13 @@ class Engine:
             self.trace.mark_fused(gather.record, [], gather.backend, scale_of=plan.scale_of())
         elif overlapped:
             self.stats["overlapped_all_gather"] += 1
-            why = f"no matmul consumed it before {reason}; {_matmuls(overlapped)} ran while it was in flight"
+            why = Reason("no matmul consumed it before {}; {} ran while it was in flight", reason, _matmuls(overlapped))
             self.trace.mark_unfused(gather.record, why, gather.backend)
         else:
             self.stats["unfused_all_gather"] += 1
-            why = f"no matmul consumed it before {reason}, and none ran while it was in flight"
+            why = Reason("no matmul consumed it before {}, and none ran while it was in flight", reason)
             self.trace.mark_unfused(gather.record, why, gather.backend)
-        self.trace.event(f"{plan.render()} [{gather.backend}]")
+        self.trace.event(*plan.trace_event(gather.backend))
 
     # -- all-gather --------------------------------------------------------
 
@@ -448,9 +450,8 @@ class Engine:
     def add_gather(self, gather: PendingGather) -> None:
         """Hold a started gather in the pending store, traced, until a read or flush completes it."""
         self.store.add_gather(gather)
-        self.trace.event(
-            f"${gather.tid}: {tensor_str(gather.out)} = all_gather({tensor_str(gather.shard)}, {gather.record.group})"
-        )
+        record = gather.record
+        self.trace.event("${}: {} = all_gather({}, {})", gather.tid, record.dst, record.src, record.group)
 
     # -- matmuls -----------------------------------------------------------
 
@@ -659,7 +660,7 @@ class Engine:
             shape[dim] *= world
             view = GatheredView(self.placeholder(owner.shard, shape), dim, world, self.store.next_tid())
             self.store.add_gathered_view(owner, view)
-            self.trace.event(f"${view.tid}: {tensor_str(view.tensor)} = cat(${owner.tid}.chunk({world}), {dim})")
+            self.trace.event("${}: {} = cat(${}.chunk({}), {})", view.tid, Meta.of(view.tensor), owner.tid, world, dim)
             return view.tensor
         if dim != 0:
             return None
@@ -673,7 +674,9 @@ class Engine:
                 cat_shape = (world * tensors[0].shape[0], *tensors[0].shape[1:])
                 sv = ScatterView(self.placeholder(mm.out, cat_shape), torch.Size(shape), split_dim, world)
                 self.store.add_scatter_view(mm, sv)
-                self.trace.event(f"${mm.tid}': {tensor_str(sv.tensor)} = cat(${mm.tid}.chunk({world}, {split_dim}), 0)")
+                self.trace.event(
+                    "${}': {} = cat(${}.chunk({}, {}), 0)", mm.tid, Meta.of(sv.tensor), mm.tid, world, split_dim
+                )
                 return sv.tensor
         return None
 
@@ -704,7 +707,7 @@ class Engine:
         kind: str,
         src: torch.Tensor,
         group: dist.ProcessGroup,
-        reason: str,
+        reason: Text,
         signature: str,
     ) -> Any:
         """Run a collective exactly as the program issued it, now (after
@@ -725,18 +728,27 @@ class Engine:
         record = self.new_record(kind, src, dst, group)
         self.stats[f"unfused_{kind.split('(')[0]}"] += 1
         self.trace.mark_unfused(record, reason)
-        self.trace.event(f"{record.dst} = {kind}({record.src}, {record.group}) [as written]")
+        self.trace.event("{} = {}({}, {}) [as written]", record.dst, kind, record.src, record.group)
         return result
 
     def new_record(
         self, kind: str, src: torch.Tensor, dst: torch.Tensor, group: dist.ProcessGroup
     ) -> CollectiveRecord:
         """The explain() record of a collective, with its tensors and group
-        rendered. Every collective on a managed group records one, so this is
-        also where the products recorded so far are marked past their
-        collective (Note [Products past their collective])."""
+        shapes (Note [Formatted when read]). Every collective on a managed
+        group records one, so this is also where the products recorded so far
+        are marked past their collective (Note [Products past their collective])."""
         self.before_collective = self.store.last_tid
-        return self.trace.new_collective(kind, src=tensor_str(src), dst=tensor_str(dst), group=group_str(group))
+        return self.trace.new_collective(
+            kind, src=Meta(src.dtype, src.shape), dst=Meta(dst.dtype, dst.shape), group=self.group_str(group)
+        )
+
+    def group_str(self, group: dist.ProcessGroup) -> str:
+        """``group_str(group)``, rendered once per block."""
+        rendered = self._group_strs.get(group)
+        if rendered is None:
+            rendered = self._group_strs[group] = group_str(group)
+        return rendered
 
 
 class _IssuingWork:

@@ -22,7 +22,7 @@ from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import (
     GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView, all_rows,
 )
-from eagertp.trace import CollectiveRecord
+from eagertp.trace import CollectiveRecord, Meta
 
 aten = torch.ops.aten
 
@@ -189,13 +189,12 @@ class AllGatherMatmulPlan:
 
         return scale_rows
 
-    def render(self) -> str:
-        outs = ", ".join(f"${mm.tid}" for mm in self.gather.consumers)
-        arrow = f" -> {outs}" if outs else ""
-        whole = ", landed: whole" if self.whole else ""  # NB: also a prefetch taken as landed
-        scale_of = ", ".join(f"${mm.tid}" for mm in self.gather.scale_of)
-        scale = f", scale_a of {scale_of}" if scale_of else ""
-        return f"{self.name}(${self.gather.tid}{arrow}{scale}{whole})"
+    def trace_event(self, backend: str) -> tuple:
+        """``(render, *args)`` for ``Trace.event``, once run: no tensors kept,
+        formatted when read (Note [Formatted when read] in eagertp.trace)."""
+        g = self.gather
+        consumers, scale_of = [mm.tid for mm in g.consumers], [mm.tid for mm in g.scale_of]
+        return _render_gather_plan, self.name, g.tid, consumers, scale_of, self.whole, backend
 
     def reference(self, ag: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Plain eager, given its gathered tensor ``ag``: the cats, then every
@@ -347,9 +346,10 @@ class ReduceScatterPlan:
 
         return produce
 
-    def render(self) -> str:
-        src = f"${self.product.tid}" if self.product is not None else tensor_str(self.inp)
-        return f"{self.name}({self.reduce_op}, {src})"
+    def trace_event(self, backend: str) -> tuple:
+        """``(render, *args)`` for ``Trace.event``, once run: no tensors kept."""
+        src = self.product.tid if self.product is not None else Meta.of(self.inp)
+        return _render_scatter_plan, self.name, self.reduce_op, src, backend
 
     def reference(self) -> torch.Tensor:
         """Plain eager: the whole matmul, then the collective."""
@@ -371,6 +371,20 @@ Plan = AllGatherMatmulPlan | ReduceScatterPlan
 
 # scale_rows(src, rows): the scale_a rows [r, 1] of rows ``rows`` of rank src's shard.
 ScaleRows = Callable[[int, slice], torch.Tensor]
+
+
+def _render_gather_plan(
+    name: str, tid: int, consumers: list[int], scale_of: list[int], whole: bool, backend: str
+) -> str:
+    arrow = f" -> {', '.join(f'${t}' for t in consumers)}" if consumers else ""
+    scale = f", scale_a of {', '.join(f'${t}' for t in scale_of)}" if scale_of else ""
+    landed = ", landed: whole" if whole else ""  # NB: also a prefetch taken as landed
+    return f"{name}(${tid}{arrow}{scale}{landed}) [{backend}]"
+
+
+def _render_scatter_plan(name: str, reduce_op: str, src: int | Meta, backend: str) -> str:
+    """``src``: the id of the product it was fused with, else its input's shape."""
+    return f"{name}({reduce_op}, {f'${src}' if isinstance(src, int) else src}) [{backend}]"
 
 
 def gather_signature(shard: torch.Tensor) -> str:

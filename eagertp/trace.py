@@ -12,8 +12,16 @@ column-parallel linear on 2 ranks renders as::
 
 Every record holds strings, numbers and shapes only, never tensors, and both
 logs are bounded (``max_records``), so a mode left on for thousands of steps does
-not grow. Events are formatted when the trace is read, not when they happen: the
-mode records one per deferred matmul, on the hot path.
+not grow.
+
+Note [Formatted when read]
+--------------------------
+Every collective and every deferred matmul records something, on the hot path,
+and most of it is never read. So events, reasons and the explain() records keep
+what they will say (shapes as ``Meta``, ids, op names) and format it when
+someone reads the trace: ``Trace.event(render, *args)``, ``Lazy``, ``Reason``.
+Formatting everything when it happened cost 5-8% of the instructions eagertp
+adds to a fused call (benchmarks/NOTES.md, session 12).
 """
 
 from __future__ import annotations
@@ -29,47 +37,6 @@ import torch
 from eagertp._format import tensor_str
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class CollectiveRecord:
-    """One all-gather, reduce-scatter or all-reduce the mode saw, and what became of it.
-
-    ``fused_with`` names the consumers it was fused with (and ``scale_of`` the
-    fused matmuls a gathered FP8 scale fed); otherwise ``reason`` says why it
-    was not fused. Exactly one of the two is set once the
-    collective has completed; before, it is in flight.
-    """
-
-    kind: str  # "all_gather" | "reduce_scatter(op)" | "all_reduce(op)"
-    index: int  # per-kind sequence number within the block
-    src: str  # rendered input, e.g. "f32[4, 16]"
-    dst: str  # rendered output
-    group: str
-    backend: str | None = None
-    fused_with: list[str] | None = None
-    reason: str | None = None
-    # A gathered row-wise FP8 scale: the fused matmuls it is scale_a of.
-    scale_of: list[str] | None = None
-    # A fused all-reduce: the matmuls its all-gather half fed, once completed
-    # (Note [Matmul + all-reduce] in eagertp.collectives.all_reduce).
-    gather_half_with: list[str] | None = None
-
-    def render(self) -> str:
-        head = f"{self.kind} #{self.index} {self.src} -> {self.dst} on {self.group}"
-        if self.fused_with is not None:
-            roles = [f"fused with {', '.join(self.fused_with)}"] if self.fused_with else []
-            if self.scale_of:
-                roles.append(f"fused as scale_a of {', '.join(self.scale_of)}")
-            if self.gather_half_with:
-                roles.append(f"its all-gather half fused with {', '.join(self.gather_half_with)}")
-            return f"{head}: {'; '.join(roles)} [{self.backend}]"
-        if self.reason is None:
-            return f"{head}: in flight" + (f" [{self.backend}]" if self.backend else "")
-        via = f" [{self.backend}]" if self.backend else ""
-        return f"{head}: not fused{via}: {self.reason}"
-
-    __str__ = render
 
 
 class Meta(NamedTuple):
@@ -91,16 +58,77 @@ class Meta(NamedTuple):
 Event = tuple[Callable[..., str], tuple]
 
 
-class Reason:
-    """Why something happened, formatted only when someone reads it."""
+class Lazy:
+    """``render(*args)``, formatted only when someone reads it (Note [Formatted
+    when read]); ``args`` hold no tensors."""
 
-    __slots__ = ("template", "args")
+    __slots__ = ("render", "args")
 
-    def __init__(self, template: str, *args: Any) -> None:
-        self.template, self.args = template, args
+    def __init__(self, render: Callable[..., str], *args: Any) -> None:
+        self.render, self.args = render, args
 
     def __str__(self) -> str:
-        return self.template.format(*self.args)
+        return self.render(*self.args)
+
+
+class Reason(Lazy):
+    """Why something happened: ``template.format(*args)``, formatted only when
+    someone reads it."""
+
+    __slots__ = ()
+
+    def __init__(self, template: str, *args: Any) -> None:
+        self.render, self.args = template.format, args
+
+
+Text = str | Lazy  # what renders as text when read
+
+
+def _join(texts: list[Text]) -> str:
+    return ", ".join(map(str, texts))
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+    """One all-gather, reduce-scatter or all-reduce the mode saw, and what became of it.
+
+    ``fused_with`` names the consumers it was fused with (and ``scale_of`` the
+    fused matmuls a gathered FP8 scale fed); otherwise ``reason`` says why it
+    was not fused. Exactly one of the two is set once the
+    collective has completed; before, it is in flight.
+    """
+
+    kind: str  # "all_gather" | "reduce_scatter(op)" | "all_reduce(op)"
+    index: int  # per-kind sequence number within the block
+    src: Meta  # the input, rendered "f32[4, 16]"
+    dst: Meta  # the output
+    group: str
+    backend: str | None = None
+    # What the records below hold renders as text (``str``, ``Lazy``, ``Reason``):
+    # Note [Formatted when read].
+    fused_with: list[Text] | None = None
+    reason: Text | None = None
+    # A gathered row-wise FP8 scale: the fused matmuls it is scale_a of.
+    scale_of: list[Text] | None = None
+    # A fused all-reduce: the matmuls its all-gather half fed, once completed
+    # (Note [Matmul + all-reduce] in eagertp.collectives.all_reduce).
+    gather_half_with: list[Text] | None = None
+
+    def render(self) -> str:
+        head = f"{self.kind} #{self.index} {self.src} -> {self.dst} on {self.group}"
+        if self.fused_with is not None:
+            roles = [f"fused with {_join(self.fused_with)}"] if self.fused_with else []
+            if self.scale_of:
+                roles.append(f"fused as scale_a of {_join(self.scale_of)}")
+            if self.gather_half_with:
+                roles.append(f"its all-gather half fused with {_join(self.gather_half_with)}")
+            return f"{head}: {'; '.join(roles)} [{self.backend}]"
+        if self.reason is None:
+            return f"{head}: in flight" + (f" [{self.backend}]" if self.backend else "")
+        via = f" [{self.backend}]" if self.backend else ""
+        return f"{head}: not fused{via}: {self.reason}"
+
+    __str__ = render
 
 
 class Trace:
@@ -122,7 +150,7 @@ class Trace:
         self.events.append((render, args))
 
     def new_collective(
-        self, kind: str, *, src: str, dst: str, group: str
+        self, kind: str, *, src: Meta, dst: Meta, group: str
     ) -> CollectiveRecord:
         record = CollectiveRecord(
             kind, self._next_index[kind], src=src, dst=dst, group=group
@@ -134,14 +162,14 @@ class Trace:
         return record
 
     def mark_unfused(
-        self, record: CollectiveRecord, reason: str, backend: str | None = None
+        self, record: CollectiveRecord, reason: Text, backend: str | None = None
     ) -> None:
         record.reason = reason
         record.backend = backend
         log.debug("eagertp: %s", record)
 
     def mark_fused(
-        self, record: CollectiveRecord, fused_with: list[str], backend: str, *, scale_of: list[str] | None = None
+        self, record: CollectiveRecord, fused_with: list[Text], backend: str, *, scale_of: list[Text] | None = None
     ) -> None:
         record.fused_with = fused_with
         record.scale_of = scale_of or None

@@ -49,6 +49,7 @@ from eagertp.backends.reference import ReferenceBackend
 from eagertp.backends.ring import RingBackend
 from eagertp.backends import symm_mem
 from eagertp.backends.symm_mem import SymmMemBackend
+from eagertp.trace import Lazy
 
 __all__ = [
     "BACKENDS", "MIN_FUSE_BYTES", "Backend", "BackendChoice", "ChunkConsumer", "ChunkProducer", "OrderedConsumer",
@@ -130,16 +131,13 @@ class BackendChoice:
             return self.min_fuse_bytes[kind]
         return MIN_FUSE_BYTES.get((device_type, kind), 0)
 
-    def size_rule(self, device_type: str, kind: str, nbytes: int) -> str | None:
+    def size_rule(self, device_type: str, kind: str, nbytes: int) -> Lazy | None:
         """Why a ``kind`` collective with ``nbytes`` per rank is issued as the
         program wrote it (Note [Size rule]), or None if it may fuse."""
         threshold = self.min_bytes(device_type, kind)
         if nbytes >= threshold:
             return None
-        return (
-            f"size rule: {_bytes_str(nbytes)} per rank < min_fuse_bytes {_bytes_str(threshold)}, "
-            f"too small for overlap to pay; EagerMicroPipeline(min_fuse_bytes=...) changes it"
-        )
+        return Lazy(_size_rule_reason, nbytes, threshold)  # Note [Formatted when read]
 
     def for_collective(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str | None]:
         """The backend for a collective on ``t`` over ``group``, and a note for
@@ -185,6 +183,13 @@ def _checked_min_fuse_bytes(value: int | Mapping[str, int] | None) -> int | dict
         f"EagerMicroPipeline(min_fuse_bytes=...) takes a byte count >= 0, a dict of them per kind "
         f"({', '.join(map(repr, KINDS))}; e.g. calibrate_min_fuse_bytes(...).min_fuse_bytes) or None "
         f"(the per-device default, eagertp.backends.MIN_FUSE_BYTES), got {value!r}"
+    )
+
+
+def _size_rule_reason(nbytes: int, threshold: int) -> str:
+    return (
+        f"size rule: {_bytes_str(nbytes)} per rank < min_fuse_bytes {_bytes_str(threshold)}, "
+        f"too small for overlap to pay; EagerMicroPipeline(min_fuse_bytes=...) changes it"
     )
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from eagertp._format import group_str
+from eagertp.trace import Text
 
 # consumer(piece, src_rank, rows): piece is rows `rows` (a slice along dim 0) of
 # rank src_rank's shard. A backend delivers each shard whole or in pieces; the
@@ -223,7 +224,7 @@ class peer_transfer:  # noqa: N801 - used as a function: `with peer_transfer(...
 
     __slots__ = ("what", "group", "peer")
 
-    def __init__(self, what: str, group: dist.ProcessGroup, peer: int) -> None:
+    def __init__(self, what: Text, group: dist.ProcessGroup, peer: int) -> None:
         self.what, self.group, self.peer = what, group, peer
 
     def __enter__(self) -> None:
@@ -242,7 +243,7 @@ class peer_transfer:  # noqa: N801 - used as a function: `with peer_transfer(...
         ) from e
 
 
-def wait_for_peer(work: dist.Work, what: str, group: dist.ProcessGroup, peer: int) -> None:
+def wait_for_peer(work: dist.Work, what: Text, group: dist.ProcessGroup, peer: int) -> None:
     """``work.wait()`` under ``peer_transfer``: Note [Waiting on a peer]."""
     with peer_transfer(what, group, peer):
         work.wait()

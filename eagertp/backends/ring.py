@@ -73,7 +73,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from eagertp._format import tensor_str
 from eagertp.backends.base import (
     ALL_ROWS,
     ChunkConsumer,
@@ -86,6 +85,7 @@ from eagertp.backends.base import (
     reduce_scatter_then_gather,
     wait_for_peer,
 )
+from eagertp.trace import Meta, Reason, Text
 
 
 class RingBackend:
@@ -113,7 +113,7 @@ class RingBackend:
         if world == 1 or out.numel() == 0:
             producer(rank, out, ALL_ROWS)
         else:
-            what = f"reduce_scatter({reduce_op}) -> {tensor_str(out)}"
+            what = Reason("reduce_scatter({}) -> {}", reduce_op, Meta(out.dtype, out.shape))
             rows = chunk_rows(out)  # pieces are rows of it, whatever out's dims (ChunkProducer)
             _Links(group, what).reduce_scatter(producer, rows, reduce_op, piece_rows(rows, "reduce_scatter"))
         if reduce_op == "avg":
@@ -141,7 +141,7 @@ class _P2PGather:
     def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:
         world, rank = group.size(), group.rank()
         self._rank, self._group = rank, group
-        self._what = f"all_gather of {tensor_str(shard)}"
+        self._what = Reason("all_gather of {}", Meta(shard.dtype, shard.shape))
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
@@ -237,7 +237,7 @@ class _ThreadedRing:
     def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
         world, rank = group.size(), group.rank()
         self._rank = rank
-        self._links = _Links(group, f"all_gather of {tensor_str(shard)}", tag)
+        self._links = _Links(group, Reason("all_gather of {}", Meta(shard.dtype, shard.shape)), tag)
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         sources = [(rank - step) % world for step in range(1, world)]
@@ -326,7 +326,7 @@ class _Links:
     """Point-to-point messages of one collective to the next rank and from the
     previous one, each post and wait naming the collective if it fails."""
 
-    def __init__(self, group: dist.ProcessGroup, what: str, tag: int = 0) -> None:
+    def __init__(self, group: dist.ProcessGroup, what: Text, tag: int = 0) -> None:
         world, rank = group.size(), group.rank()
         self.group, self.what, self.tag = group, what, tag
         self.send_to, self.recv_from = (rank + 1) % world, (rank - 1) % world
@@ -416,7 +416,7 @@ class _InterleavedAllReduce:
     def __init__(self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> None:
         rank = group.rank()
         self._rank, self._peer = rank, 1 - rank
-        self._links = links = _Links(group, f"all_reduce({reduce_op}) of {tensor_str(out)}")
+        self._links = links = _Links(group, Reason("all_reduce({}) of {}", reduce_op, Meta(out.dtype, out.shape)))
         self._chunks = chunks = out.view(2, out.shape[0] // 2, *out.shape[1:])
         own, peer = chunks[rank], chunks[self._peer]
         self._rows = rows = piece_rows(own, "all_reduce")
@@ -477,7 +477,7 @@ class _Receives:
     waits for each as it lands, so that ``landed`` can tell on gloo too
     (Note [Landed gathers] in eagertp.patterns)."""
 
-    def __init__(self, works: list[tuple[dist.Work, int]], what: str, group: dist.ProcessGroup, *, on_cpu: bool) -> None:
+    def __init__(self, works: list[tuple[dist.Work, int]], what: Text, group: dist.ProcessGroup, *, on_cpu: bool) -> None:
         self._works = works  # (work, the peer it waits for): Note [Waiting on a peer]
         self._what, self._group, self._on_cpu = what, group, on_cpu
         self._count = 0  # receives known to have landed: 0 .. count - 1

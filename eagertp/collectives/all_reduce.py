@@ -21,7 +21,7 @@ from eagertp.deferred import PendingGather, Product, ScatterView
 from eagertp.engine import Engine, check_equal, check_ranks_agree, profiler_range
 from eagertp.patterns import ReduceScatterPlan
 from eagertp.table import register
-from eagertp.trace import Reason
+from eagertp.trace import Reason, Text
 
 _c10d_functional = torch.ops._c10d_functional
 
@@ -140,7 +140,7 @@ def all_reduce(
     if not plan.fused:
         engine.stats["unfused_all_reduce"] += 1
         engine.trace.mark_unfused(record, why_not, gather.backend)
-        engine.trace.event(f"all_reduce({reduce_op}, {record.src}) [{gather.backend}]")
+        engine.trace.event("all_reduce({}, {}) [{}]", reduce_op, record.src, gather.backend)
         return result
     if not in_place:
         # NB: as after a fused reduce-scatter, the product's own output
@@ -151,13 +151,13 @@ def all_reduce(
     engine.complete_past(func, product.tid - 1)
     engine.stats["matmul_all_reduce"] += 1
     engine.trace.mark_fused(record, plan.fused_with(), gather.backend)
-    engine.trace.event(f"matmul_all_reduce({reduce_op}, ${product.tid}) [{gather.backend}]")
+    engine.trace.event("matmul_all_reduce({}, ${}) [{}]", reduce_op, product.tid, gather.backend)
     return result
 
 
 def _why_all_reduce_as_written(
     engine: Engine, inp: torch.Tensor, reduce_op: str, world: int, in_place: bool
-) -> str | None:
+) -> Text | None:
     """Why an all-reduce of ``inp`` is issued as the program wrote it, if it
     is: reasons that read shapes only, so that every rank decides alike."""
     if reduce_op not in REDUCE_OPS:
