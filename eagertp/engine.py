@@ -170,13 +170,16 @@ class Engine:
         reads nothing), or everything if it writes an input of pending work;
         first, if it writes the shard of gathers in flight, their sends."""
         written = written_tensors(func, args, kwargs)
-        if written and self.store.sending:
-            self.release_shards(func, written)
+        if written:
+            if self.store.sending:
+                self.release_shards(func, written)
+            if any(self.store.is_input(t) for t in written):
+                self.flush(Reason("{} wrote an input of pending work", func))
+                return
         tensors = tensor_leaves(args, kwargs)
-        if any(self.store.is_input(t) for t in written):
-            self.flush(Reason("{} wrote an input of pending work", func))
-        elif self.store.touched(tensors) is not None and not _is_metadata_only(func):
-            self.complete_owners(tensors, func)
+        first = self.store.touched(tensors)
+        if first is not None and not _is_metadata_only(func):
+            self.complete_owners(tensors, func, first=first)
 
     # Note [Sends from the shard]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -225,13 +228,17 @@ class Engine:
                     gather.handle.release_shard()
                 self.store.stop_sending(gather)
 
-    def complete_owners(self, tensors: Sequence[torch.Tensor], func: Any, why: str | None = None) -> None:
+    def complete_owners(
+        self, tensors: Sequence[torch.Tensor], func: Any, why: str | None = None, *, first: torch.Tensor | None = None
+    ) -> None:
         """Complete the pending items that own any of ``tensors``, and only
-        those; ``why`` says how ``func`` reads them (default: "read $id")."""
+        those; ``why`` says how ``func`` reads them (default: "read $id" of
+        the first pending one, ``first`` if the caller knows it)."""
         owners = self.store.owners(tensors)
         if owners:
             if why is None:
-                reason = Reason("{} read ${}", func, self.store.tid_of(self.store.touched(tensors)))
+                first = self.store.touched(tensors) if first is None else first
+                reason = Reason("{} read ${}", func, self.store.tid_of(first))
             else:
                 reason = Reason("{} {}", func, why)
             self.trace.event("wait: {}", reason)
@@ -260,6 +267,8 @@ class Engine:
     def complete_orphaned_weight_gradients(self, func: Any) -> None:
         """Compute the pending weight gradients that read a storage nothing but
         pending work can reach (Note [Products past their collective])."""
+        if not self.store.items:
+            return
         candidates = [p for p in self.store.standalone(absorbed=False) if is_weight_gradient(p)]
         if not candidates:
             return

@@ -203,8 +203,8 @@ REDUCE_OPS = {
 # once), so eagertp passes no timeout of its own. On NCCL, ``wait()`` only
 # orders the current stream; the group's watchdog bounds the transfer. What
 # eagertp adds is the error: gloo's names neither the collective nor the peer,
-# so every post and wait goes through ``peer_transfer``, which re-raises as a
-# ``PeerError`` naming the collective, the group, the peer and the fix.
+# so every post and wait re-raises its failure as a ``PeerError``
+# (``peer_error``) naming the collective, the group, the peer and the fix.
 
 
 class PeerError(RuntimeError):
@@ -212,41 +212,38 @@ class PeerError(RuntimeError):
     issuing the collectives this rank issued."""
 
 
-class peer_transfer:  # noqa: N801 - used as a function: `with peer_transfer(...)`
-    """Posting or waiting for a transfer with ``peer`` (its rank in ``group``): a
-    failure (gloo: the group's timeout, or a closed connection) re-raised as a
-    ``PeerError`` naming ``what`` (the collective and its shapes), the group and
-    the peer.
+def peer_error(e: RuntimeError, what: Text, group: dist.ProcessGroup, peer: int) -> PeerError:
+    """The ``PeerError`` to raise for ``e``, a failed post or wait of a transfer
+    with ``peer`` (its rank in ``group``; gloo: the group's timeout, or a
+    closed connection), naming ``what`` (the collective and its shapes), the
+    group and the peer. Raised ``from e``, as::
 
-    NB: a class, not a generator under ``contextlib.contextmanager``: every post
-    and wait of the ring enters one, and the generator's machinery cost about
-    1.5 us each (benchmarks/NOTES.md, session 11)."""
+        try:
+            work.wait()
+        except PeerError:
+            raise
+        except RuntimeError as e:
+            raise peer_error(e, what, group, peer) from e
 
-    __slots__ = ("what", "group", "peer")
-
-    def __init__(self, what: Text, group: dist.ProcessGroup, peer: int) -> None:
-        self.what, self.group, self.peer = what, group, peer
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, e, tb) -> None:
-        if exc_type is None or not issubclass(exc_type, RuntimeError) or issubclass(exc_type, PeerError):
-            return
-        group, peer = self.group, self.peer
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else exc_type.__name__
-        raise PeerError(
-            f"eagertp: {self.what} on {group_str(group)}: rank {group.rank()} waited for rank {peer} "
-            f"({_global_rank(group, peer)}) and the transfer failed: {cause}. A peer died or "
-            f"stopped issuing collectives: every rank must issue the same collectives in the "
-            f"same order; see rank {peer}'s own error first."
-        ) from e
+    NB: a try block, not a context manager: every post and wait of the ring
+    has one, and a try costs nothing until it raises."""
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return PeerError(
+        f"eagertp: {what} on {group_str(group)}: rank {group.rank()} waited for rank {peer} "
+        f"({_global_rank(group, peer)}) and the transfer failed: {cause}. A peer died or "
+        f"stopped issuing collectives: every rank must issue the same collectives in the "
+        f"same order; see rank {peer}'s own error first."
+    )
 
 
 def wait_for_peer(work: dist.Work, what: Text, group: dist.ProcessGroup, peer: int) -> None:
-    """``work.wait()`` under ``peer_transfer``: Note [Waiting on a peer]."""
-    with peer_transfer(what, group, peer):
+    """``work.wait()``, its failure a ``PeerError``: Note [Waiting on a peer]."""
+    try:
         work.wait()
+    except PeerError:
+        raise
+    except RuntimeError as e:
+        raise peer_error(e, what, group, peer) from e
 
 
 def _global_rank(group: dist.ProcessGroup, peer: int) -> str:

@@ -78,10 +78,11 @@ from eagertp.backends.base import (
     ChunkConsumer,
     ChunkProducer,
     GatherHandle,
+    PeerError,
     check_gather_buffers,
     check_scatter_buffers,
     chunk_rows,
-    peer_transfer,
+    peer_error,
     reduce_scatter_then_gather,
     wait_for_peer,
 )
@@ -156,8 +157,12 @@ class _P2PGather:
             # NB: sent from the shard itself (Note [Sends from the shard])
             ops += [(_isend, piece, dst) for piece in shard_pieces]
             ops += [(_irecv, piece, src) for s, _, piece in self._pieces if s == src]
-        with peer_transfer(self._what, group, sources[0] if sources else rank):  # 2 ranks: the one peer
+        try:
             works = _post(ops, group)
+        except PeerError:
+            raise
+        except RuntimeError as e:
+            raise peer_error(e, self._what, group, sources[0] if sources else rank) from e  # 2 ranks: the one peer
         # This rank's chunk of ag_out: copied from the shard when consumed,
         # unless nothing reads it then (Note [This rank's chunk, unread]).
         self._shard: torch.Tensor | None = shard
@@ -332,12 +337,16 @@ class _Links:
         self.send_to, self.recv_from = (rank + 1) % world, (rank - 1) % world
 
     def isend(self, t: torch.Tensor) -> dist.Work:
-        with peer_transfer(self.what, self.group, self.send_to):
+        try:
             return _isend(t, self.group, self.send_to, self.tag)
+        except RuntimeError as e:
+            raise peer_error(e, self.what, self.group, self.send_to) from e
 
     def irecv(self, t: torch.Tensor) -> dist.Work:
-        with peer_transfer(self.what, self.group, self.recv_from):
+        try:
             return _irecv(t, self.group, self.recv_from, self.tag)
+        except RuntimeError as e:
+            raise peer_error(e, self.what, self.group, self.recv_from) from e
 
     def wait_sent(self, works: list[dist.Work]) -> None:
         for work in works:
