@@ -5,10 +5,12 @@ shows, in a subprocess bounded by a timeout; timings are never asserted."""
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -51,6 +53,42 @@ def test_call_cost_splits_a_fused_call_into_phases():
     phases = re.search(r"^ *64((?: +[\d.]+){8})$", out, re.MULTILINE)
     assert phases is not None, out
     assert float(phases.group(1).split()[4]) > 0, f"the ring's phase was never marked: {out}"
+
+
+def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
+    """Its ranks' program, run as callgrind would run it (CI has no valgrind),
+    takes the fused paths it claims to count; and callgrind_annotate's lines
+    are read as instructions per call."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import call_instructions
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(BENCHMARKS / "call_instructions.py"), "--calls", "2", "--rank-program", "eagertp",
+             str(rank), port, "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [rank.communicate(timeout=120) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), outs
+    stats = re.search(r"^stats (\{.*\})$", outs[0][0], re.MULTILINE)
+    assert stats is not None, outs
+    fused = ast.literal_eval(stats.group(1))
+    calls = 2 + call_instructions._WARMUP
+    assert fused == {"matmul_reduce_scatter": calls, "matmul_all_reduce": calls, "all_gather_matmul": calls}, fused
+    annotated = (
+        "  198,059,203 (30.94%)  /tmp/Python-3.11.7/./Modules/itertoolsmodule.c:starmap_next [/lib/libpython3.11.so]\n"
+        "  147,601,705 (23.05%)  /tmp/Python-3.11.7/./Modules/_operator.c:_operator_call [/lib/libpython3.11.so]\n"
+    )
+    assert call_instructions.parse_inclusive(annotated, 100) == {
+        "matmul_reduce_scatter": 1_476_017.05, "matmul_all_reduce": 1_980_592.03
+    }
 
 
 @pytest.mark.skipif(

@@ -1,0 +1,174 @@
+"""Instructions one call costs, counted by valgrind's callgrind: what eagertp
+adds to each fused form, exactly, where times on these shared machines move by
+more than the change being measured.
+
+    python benchmarks/call_instructions.py [--calls 100] [--forms matmul_reduce_scatter ...]
+
+Needs valgrind (``apt-get install valgrind``). Two gloo ranks, 64 x 64 float32
+(small, so that the count is the calls' Python and dispatch, not their FLOPs),
+each form as a program writes it, then ``.sum()``:
+
+- ``matmul_reduce_scatter``: ``funcol.reduce_scatter_single(a @ b, "sum", 0, group).wait()``
+- ``matmul_all_reduce``: ``funcol.all_reduce(a @ b, "sum", group).wait()``
+- ``all_gather_matmul``: ``funcol.all_gather_single(a, 0, group) @ b``
+- ``deferred_matmul``: ``(a @ b).relu()``: a matmul eagertp defers until the
+  next op shows what it feeds (every matmul in a block pays this)
+
+Each form runs ``--calls`` times in an empty ``TorchDispatchMode`` and in
+``EagerMicroPipeline(min_fuse_bytes=0)``, every rank under callgrind. A form's
+timed calls run inside one C function of CPython's that nothing else here calls
+(``--toggle-collect``), so only they are counted, with everything they call on
+rank 0's own thread: not imports, start-up or warm-up, and not gloo's threads
+(which move the bytes). The counts repeat to within about 0.3% run to run.
+Prints rank 0's instructions per call in each mode and eagertp's own (the
+difference). Takes a few minutes: callgrind runs Python about 50x slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import operator
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import _harness
+
+# form -> the C function of CPython's its timed calls run inside, and how to
+# call ``run(fn, calls)`` through it.
+ENTRY_POINTS = {
+    "matmul_reduce_scatter": ("_operator_call", lambda run, fn, calls: operator.call(run, fn, calls)),
+    "matmul_all_reduce": ("starmap_next", lambda run, fn, calls: list(itertools.starmap(run, [(fn, calls)]))),
+    "all_gather_matmul": (
+        "accumulate_next", lambda run, fn, calls: list(itertools.accumulate([0, 1], lambda *_: run(fn, calls)))
+    ),
+    "deferred_matmul": ("filterfalse_next", lambda run, fn, calls: list(itertools.filterfalse(lambda _: run(fn, calls), [0]))),
+}
+MODES = ("empty", "eagertp")
+_WARMUP = 10
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/call_instructions.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--calls", type=int, default=100, help="counted calls per form (instructions are per call)")
+    parser.add_argument("--forms", nargs="+", choices=list(ENTRY_POINTS), default=list(ENTRY_POINTS))
+    parser.add_argument(
+        "--rank-program", nargs=4, metavar=("MODE", "RANK", "PORT", "WORLD"), help=argparse.SUPPRESS
+    )  # internal: one rank's calls, run under callgrind by the parent
+    return parser.parse_args(argv)
+
+
+def rank_program(args: argparse.Namespace) -> None:
+    """One rank: warm every form up, then run each form's counted calls
+    inside its entry point (counted only where callgrind runs it)."""
+    mode, rank, port, world = args.rank_program
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    with _harness.quiet_warnings():
+        import torch
+        import torch.distributed as dist
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from eagertp import EagerMicroPipeline
+        from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
+
+        import torch.distributed._functional_collectives as funcol
+
+    class EmptyMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    torch.manual_seed(int(rank))
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    forms = {
+        "matmul_reduce_scatter": lambda: funcol_reduce_scatter(a @ b, "sum", 0, group).wait().sum(),
+        "matmul_all_reduce": lambda: funcol.all_reduce(a @ b, "sum", group).wait().sum(),
+        "all_gather_matmul": lambda: (funcol_all_gather(a, 0, group) @ b).sum(),
+        "deferred_matmul": lambda: (a @ b).relu().sum(),
+    }
+
+    def run(fn, calls: int) -> int:
+        for _ in range(calls):
+            fn()
+        return 0
+
+    with EmptyMode() if mode == "empty" else EagerMicroPipeline(min_fuse_bytes=0) as pipe:
+        for form in args.forms:
+            run(forms[form], _WARMUP)
+            dist.barrier()
+            ENTRY_POINTS[form][1](run, forms[form], args.calls)
+    if mode == "eagertp":  # what was counted is what the tests prove: the fused paths ran
+        fused = {k: pipe.stats[k] for k in ("matmul_reduce_scatter", "matmul_all_reduce", "all_gather_matmul")}
+        print(f"stats {fused}")
+    dist.destroy_process_group()
+
+
+def _count(callgrind_out: str, calls: int) -> dict[str, float]:
+    """Instructions per call inside each entry point, from a callgrind file."""
+    annotated = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", callgrind_out], capture_output=True, text=True, check=True
+    ).stdout
+    return parse_inclusive(annotated, calls)
+
+
+def parse_inclusive(annotated: str, calls: int) -> dict[str, float]:
+    """``callgrind_annotate --inclusive=yes`` output -> form -> instructions per call."""
+    counts = {}
+    for form, (entry, _) in ENTRY_POINTS.items():
+        found = re.search(rf"^\s*([\d,]+) \([^)]*\)\s+\S*:{entry}\b", annotated, re.MULTILINE)
+        if found:
+            counts[form] = int(found.group(1).replace(",", "")) / calls
+    return counts
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.rank_program:
+        rank_program(args)
+        return
+    if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
+        raise SystemExit("call_instructions.py needs valgrind's callgrind: apt-get install valgrind")
+    world = 2
+    toggles = [f"--toggle-collect={ENTRY_POINTS[form][0]}" for form in args.forms]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {}
+        for mode in MODES:  # both modes at once: each is its own group of ranks
+            port = str(_harness._free_port())
+            for rank in range(world):
+                out = os.path.join(tmp, f"{mode}.{rank}.out")
+                cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *toggles,
+                       sys.executable, __file__, "--calls", str(args.calls), "--forms", *args.forms,
+                       "--rank-program", mode, str(rank), port, str(world)]
+                procs[mode, rank] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out)
+        counts, stats = {}, ""
+        for (mode, rank), (proc, out) in procs.items():
+            stdout, stderr = proc.communicate(timeout=3600)
+            if proc.returncode != 0:
+                raise SystemExit(f"{mode} rank {rank} failed ({proc.returncode}):\n{stdout}\n{stderr[-4000:]}")
+            if rank == 0:
+                counts[mode] = _count(out, args.calls)
+                stats = stats or (stdout.strip() if mode == "eagertp" else "")
+    print(f"call_instructions: {world} ranks, gloo, 64 x 64 float32, rank 0's instructions per call "
+          f"(callgrind, {args.calls} calls)")
+    rows = [
+        {"form": form, "empty": counts["empty"][form], "eagertp": counts["eagertp"][form],
+         "added": counts["eagertp"][form] - counts["empty"][form]}
+        for form in args.forms
+    ]
+    print(_harness.table(rows, [("form", "form", "s"), ("empty", "empty mode", ",.0f"),
+                                ("eagertp", "eagertp", ",.0f"), ("added", "eagertp's own", ",.0f")]))
+    print(f"eagertp {stats}")
+
+
+if __name__ == "__main__":
+    main()
