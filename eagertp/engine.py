@@ -505,15 +505,15 @@ class Engine:
         if out_dtype is None:
             # Plain eager raises its own error, or (FP8 shapes the meta kernel's
             # stricter rules reject) runs it: unfused, and explain() says why.
-            if self.store:
+            if self.store.items:
                 tensors = tensor_leaves(args, kwargs)
                 self.complete_owners(tensors, func, f"reads it with operands that do not defer ({rejected})")
                 self.complete_for(func, args, kwargs)
             return self.run_matmul(func, args, kwargs)
         gather, view, operand, scale_gather = None, None, None, None
-        if self.store:
+        if self.store.items:
             self.complete_work_past(func, self.before_collective)
-        if self.store:  # NB: again: what the call above completed may have emptied it
+        if self.store.items:  # NB: again: what the call above completed may have emptied it
             gather, view, operand, scale_gather, why_not = self._match_gather_operand(a, b, bias, scaled)
             if why_not is not None:
                 self.complete_owners(tensor_leaves(args, kwargs), func, why_not)

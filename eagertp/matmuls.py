@@ -53,7 +53,7 @@ def _batched(engine: Engine, func, args, kwargs):
 
 @register([aten.add.Tensor])
 def _add(engine: Engine, func, args, kwargs):
-    if engine.store and len(args) == 2 and kwargs.get("alpha", 1) == 1 and all(isinstance(t, torch.Tensor) for t in args):
+    if engine.store.items and len(args) == 2 and kwargs.get("alpha", 1) == 1 and all(isinstance(t, torch.Tensor) for t in args):
         deferred = engine.defer_sum(*args)
         if deferred is not None:
             return deferred
@@ -65,7 +65,7 @@ def _to_copy(engine: Engine, func, args, kwargs):
     """A dtype cast of a whole gathered tensor (autocast before a linear) becomes
     a cast view, filled chunk by chunk: the linear on it still fuses."""
     dtype = kwargs.get("dtype")
-    if engine.store and len(args) == 1 and set(kwargs) <= _CAST_KWARGS and dtype is not None:
+    if engine.store.items and len(args) == 1 and set(kwargs) <= _CAST_KWARGS and dtype is not None:
         (t,) = args
         if _only_changes_dtype(t, kwargs):
             found = engine.store.gathered_view_of(t)
@@ -94,7 +94,7 @@ def _only_changes_dtype(t: torch.Tensor, kwargs: dict) -> bool:
 def _cat(engine: Engine, func, args, kwargs):
     tensors = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if engine.store:
+    if engine.store.items:
         deferred = engine.defer_chunk_cat(tensors, dim)
         if deferred is not None:
             return deferred

@@ -107,7 +107,7 @@ def all_reduce(
     m = rows.shape[0] // world
     shard = rows[group.rank() * m : (group.rank() + 1) * m]  # this rank's reduced rows
     record = engine.new_record(kind, inp, result, group)
-    found = engine.store.standalone_output(inp) if engine.store else None
+    found = engine.store.standalone_output(inp) if engine.store.items else None
     why_not = _why_not_fuse_all_reduce(found, shard)
     if why_not is None:
         product, _ = found

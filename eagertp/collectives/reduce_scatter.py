@@ -59,7 +59,7 @@ def reduce_scatter(
     if out is None:
         out = engine.placeholder(inp, (inp.shape[0] // world, *inp.shape[1:]))
     record = engine.new_record(kind, inp, out, group)
-    found = engine.store.standalone_output(inp) if engine.store else None
+    found = engine.store.standalone_output(inp) if engine.store.items else None
     why_not = why_not_produce(found, out) if found is not None else (
         "its input is not the pending output of a matmul"
     )
