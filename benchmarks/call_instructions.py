@@ -19,7 +19,10 @@ Each form runs ``--calls`` times in an empty ``TorchDispatchMode`` and in
 timed calls run inside one C function of CPython's that nothing else here calls
 (``--toggle-collect``), so only they are counted, with everything they call on
 rank 0's own thread: not imports, start-up or warm-up, and not gloo's threads
-(which move the bytes). The counts repeat to within about 0.3% run to run.
+(which move the bytes). The counts repeat to within about 0.3% run to run
+with the same ``--forms`` and ``--calls``; compare those only: another order
+or number of calls moves them by up to 20% (Python's garbage collector and
+allocator run at other calls).
 Prints rank 0's instructions per call in each mode and eagertp's own (the
 difference). Takes a few minutes: callgrind runs Python about 50x slower.
 """
@@ -60,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--calls", type=int, default=100, help="counted calls per form (instructions are per call)")
     parser.add_argument("--forms", nargs="+", choices=list(ENTRY_POINTS), default=list(ENTRY_POINTS))
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     parser.add_argument(
         "--rank-program", nargs=4, metavar=("MODE", "RANK", "PORT", "WORLD"), help=argparse.SUPPRESS
     )  # internal: one rank's calls, run under callgrind by the parent
@@ -168,6 +172,7 @@ def main(argv=None) -> None:
     print(_harness.table(rows, [("form", "form", "s"), ("empty", "empty mode", ",.0f"),
                                 ("eagertp", "eagertp", ",.0f"), ("added", "eagertp's own", ",.0f")]))
     print(f"eagertp {stats}")
+    _harness.write_json(args.json, {"calls": args.calls, "world_size": world, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ Every collective and every deferred matmul records something, on the hot path,
 and most of it is never read. So events, reasons and the explain() records keep
 what they will say (shapes as ``Meta``, ids, op names) and format it when
 someone reads the trace: ``Trace.event(render, *args)``, ``Lazy``, ``Reason``.
-Formatting everything when it happened cost 5-8% of the instructions eagertp
-adds to a fused call (benchmarks/NOTES.md, session 12).
+Formatting everything when it happened cost up to 8% of the instructions
+eagertp adds to a fused call (the all-reduce's; ``benchmarks/call_instructions.py``,
+benchmarks/NOTES.md session 12).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class RingBackend:
         if world == 1 or out.numel() == 0:
             producer(rank, out, ALL_ROWS)
         else:
-            what = Reason("reduce_scatter({}) -> {}", reduce_op, Meta(out.dtype, out.shape))
+            what = Reason("reduce_scatter({}) -> {}", reduce_op, Meta.of(out))
             rows = chunk_rows(out)  # pieces are rows of it, whatever out's dims (ChunkProducer)
             _Links(group, what).reduce_scatter(producer, rows, reduce_op, piece_rows(rows, "reduce_scatter"))
         if reduce_op == "avg":
@@ -142,7 +142,7 @@ class _P2PGather:
     def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:
         world, rank = group.size(), group.rank()
         self._rank, self._group = rank, group
-        self._what = Reason("all_gather of {}", Meta(shard.dtype, shard.shape))
+        self._what = Reason("all_gather of {}", Meta.of(shard))
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
@@ -242,7 +242,7 @@ class _ThreadedRing:
     def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
         world, rank = group.size(), group.rank()
         self._rank = rank
-        self._links = _Links(group, Reason("all_gather of {}", Meta(shard.dtype, shard.shape)), tag)
+        self._links = _Links(group, Reason("all_gather of {}", Meta.of(shard)), tag)
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         sources = [(rank - step) % world for step in range(1, world)]
@@ -425,7 +425,7 @@ class _InterleavedAllReduce:
     def __init__(self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> None:
         rank = group.rank()
         self._rank, self._peer = rank, 1 - rank
-        self._links = links = _Links(group, Reason("all_reduce({}) of {}", reduce_op, Meta(out.dtype, out.shape)))
+        self._links = links = _Links(group, Reason("all_reduce({}) of {}", reduce_op, Meta.of(out)))
         self._chunks = chunks = out.view(2, out.shape[0] // 2, *out.shape[1:])
         own, peer = chunks[rank], chunks[self._peer]
         self._rows = rows = piece_rows(own, "all_reduce")
