@@ -49,7 +49,9 @@ ENTRY_POINTS = {
     "all_gather_matmul": (
         "accumulate_next", lambda run, fn, calls: list(itertools.accumulate([0, 1], lambda *_: run(fn, calls)))
     ),
-    "deferred_matmul": ("filterfalse_next", lambda run, fn, calls: list(itertools.filterfalse(lambda _: run(fn, calls), [0]))),
+    "deferred_matmul": (
+        "filterfalse_next", lambda run, fn, calls: list(itertools.filterfalse(lambda _: run(fn, calls), [0]))
+    ),
 }
 MODES = ("empty", "eagertp")
 _WARMUP = 10

@@ -100,7 +100,6 @@ class Engine:
         # The latest trace id recorded before the latest collective on a managed
         # group: products up to it are past their collective (Note [Products past their collective]).
         self.before_collective = -1
-        self._group_strs: dict[str, str] = {}  # group name -> Engine.group_str
 
     def reset(self) -> None:
         self.stats.clear()
@@ -109,7 +108,6 @@ class Engine:
         self.matmul_work = 0
         self._deferral_bytes.clear()
         self.before_collective = -1
-        self._group_strs.clear()
 
     def _never_fused_below(self, device_type: str) -> int:
         """Matmul outputs smaller than this (bytes, in the widest cast) can feed
@@ -748,16 +746,7 @@ class Engine:
         group records one, so this is also where the products recorded so far
         are marked past their collective (Note [Products past their collective])."""
         self.before_collective = self.store.last_tid
-        return self.trace.new_collective(kind, src=Meta.of(src), dst=Meta.of(dst), group=self.group_str(group))
-
-    def group_str(self, group: dist.ProcessGroup) -> str:
-        """``group_str(group)``, rendered once per block (keyed by name: the
-        engine holds no group alive)."""
-        name = group.group_name
-        rendered = self._group_strs.get(name)
-        if rendered is None:
-            rendered = self._group_strs[name] = group_str(group)
-        return rendered
+        return self.trace.new_collective(kind, src=Meta.of(src), dst=Meta.of(dst), group=group_str(group))
 
 
 class _IssuingWork:

@@ -10,7 +10,6 @@ import os
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -61,12 +60,11 @@ def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
     are read as instructions per call."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
+        import _harness
         import call_instructions
     finally:
         sys.path.remove(str(BENCHMARKS))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(_harness._free_port())
     ranks = [
         subprocess.Popen(
             [sys.executable, str(BENCHMARKS / "call_instructions.py"), "--calls", "2", "--rank-program", "eagertp",

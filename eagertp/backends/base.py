@@ -216,8 +216,8 @@ def peer_error(e: RuntimeError, what: Text, group: dist.ProcessGroup, peer: int)
     """The ``PeerError`` to raise for ``e``, a failed post or wait of a transfer
     with ``peer`` (its rank in ``group``; gloo: the group's timeout, or a
     closed connection), naming ``what`` (the collective and its shapes), the
-    group and the peer; raised ``from e`` in an ``except RuntimeError`` after
-    ``except PeerError: raise`` (``wait_for_peer``).
+    group and the peer; raised ``from e`` in an ``except RuntimeError`` around
+    the post or wait alone (``wait_for_peer``).
 
     NB: a try block, not a context manager: every post and wait of the ring
     has one, and a try costs nothing until it raises."""
@@ -234,8 +234,6 @@ def wait_for_peer(work: dist.Work, what: Text, group: dist.ProcessGroup, peer: i
     """``work.wait()``, its failure a ``PeerError``: Note [Waiting on a peer]."""
     try:
         work.wait()
-    except PeerError:
-        raise
     except RuntimeError as e:
         raise peer_error(e, what, group, peer) from e
 

@@ -78,7 +78,6 @@ from eagertp.backends.base import (
     ChunkConsumer,
     ChunkProducer,
     GatherHandle,
-    PeerError,
     check_gather_buffers,
     check_scatter_buffers,
     chunk_rows,
@@ -159,8 +158,6 @@ class _P2PGather:
             ops += [(_irecv, piece, src) for s, _, piece in self._pieces if s == src]
         try:
             works = _post(ops, group)
-        except PeerError:
-            raise
         except RuntimeError as e:
             raise peer_error(e, self._what, group, sources[0] if sources else rank) from e  # 2 ranks: the one peer
         # This rank's chunk of ag_out: copied from the shard when consumed,
