@@ -27,6 +27,12 @@ Besides the ratio of medians, the speedup is taken within each round
 machine's drift mostly cancels): its median and quartiles say how far one
 run's ratio can be trusted.
 
+``as written`` is eagertp in the step with every collective issued as the
+program wrote it (``min_fuse_bytes`` above any buffer): the mode's cost
+without fusion's effect. ``as written / eagertp`` (taken within each round) is
+what fusing itself gains or loses on this link, ``unfused / as written`` what
+the mode costs when nothing fuses.
+
 The floor is the bound run under an empty ``TorchDispatchMode`` (overhead.py's
 ``BareEmptyMode``, which skips Dynamo's wrapper as eagertp's mode does): what
 any Python dispatch mode adds to every op of the step. eagertp's pass-through
@@ -170,11 +176,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
         min_fuse_bytes = calibrate_min_fuse_bytes(group, k=args.dim, repeats=5, warmup=1).min_fuse_bytes
     pipe = EagerMicroPipeline(backend=args.backend, min_fuse_bytes=min_fuse_bytes)
+    as_written = EagerMicroPipeline(backend=args.backend, min_fuse_bytes=1 << 62)
     rounds: list[dict[str, float]] = []
     t = _harness.time_interleaved(
         {
             "t_unfused": lambda: step(contextlib.nullcontext()),
             "t_fused": lambda: step(pipe),
+            "t_as_written": lambda: step(as_written),
             "t_bound": lambda: step(_NoCommunication()),
             "t_floor": lambda: step(_NoCommunication(), BareEmptyMode()),
         },
@@ -184,6 +192,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         rounds=rounds,
     )
     stats = dict(pipe.stats)
+    fused_kinds = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+    if any(as_written.stats.get(k, 0) for k in fused_kinds):
+        raise RuntimeError(f"the as-written step fused collectives ({dict(as_written.stats)}): its row would mislead")
     return {
         "world_size": world,
         "layers": args.layers,
@@ -196,9 +207,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         **t,
         # unfused / eagertp within each round: quartiles
         "speedup_in_rounds": _harness.ratio_spread(rounds, "t_unfused", "t_fused"),
-        "fused_ops_per_step": sum(
-            stats.get(k, 0) for k in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
-        ),
+        # what fusing gains over the same mode issuing everything as written, and what the mode costs alone
+        "fusion_in_rounds": _harness.ratio_spread(rounds, "t_as_written", "t_fused"),
+        "mode_in_rounds": _harness.ratio_spread(rounds, "t_unfused", "t_as_written"),
+        "floor_in_rounds": _harness.ratio_spread(rounds, "t_floor", "t_bound"),
+        "fused_ops_per_step": sum(stats.get(k, 0) for k in fused_kinds),
         "unfused_ops_per_step": sum(
             stats.get(k, 0) for k in ("unfused_all_gather", "unfused_reduce_scatter", "unfused_all_reduce")
         ),
@@ -226,8 +239,19 @@ def main(argv=None) -> int:
     )
     q1, q2, q3 = r["speedup_in_rounds"]
     print(f"  speedup within each round: median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x")
+    q1, q2, q3 = r["mode_in_rounds"]
+    print(
+        f"  as written     {r['t_as_written'] * 1e3:8.1f} ms   (eagertp, every collective issued as written; "
+        f"unfused / as written within each round: median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x)"
+    )
+    q1, q2, q3 = r["fusion_in_rounds"]
+    print(f"  fusing alone: as written / eagertp within each round: median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x")
     print(f"  bound (no communication)  {r['t_bound'] * 1e3:8.1f} ms")
-    print(f"  floor (the bound under an empty TorchDispatchMode)  {r['t_floor'] * 1e3:8.1f} ms")
+    q1, q2, q3 = r["floor_in_rounds"]
+    print(
+        f"  floor (the bound under an empty TorchDispatchMode)  {r['t_floor'] * 1e3:8.1f} ms   "
+        f"(floor / bound within each round: median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x)"
+    )
     exposed = r["t_unfused"] - r["t_bound"]
     r["hidden"] = (r["t_unfused"] - r["t_fused"]) / exposed if exposed > 0 else None
     if r["hidden"] is None:

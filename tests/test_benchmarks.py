@@ -34,6 +34,9 @@ def test_train_step_reports_eagertp_against_unfused_and_the_bound(plan):
     assert "bound (no communication)" in out and "hidden" in out, out
     assert re.search(r"speedup within each round: median [\d.]+x, quartiles [\d.]+x-[\d.]+x", out), out
     assert "floor (the bound under an empty TorchDispatchMode)" in out, out
+    # the mode's cost and fusion's effect, split by the as-written row (which raises if it fused)
+    assert re.search(r"as written +[\d.]+ ms +\(eagertp, every collective issued as written; unfused / as written", out), out
+    assert re.search(r"fusing alone: as written / eagertp within each round: median [\d.]+x", out), out
     assert ("size rule calibrated on this link: min_fuse_bytes = {" in out) == bool(plan), out
 
 
