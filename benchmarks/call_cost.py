@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     group = dist.group.WORLD
     marks: dict[str, float] = {}
     rs_op = torch.ops._c10d_functional.reduce_scatter_tensor.default
-    handler, produce = HANDLERS[rs_op], ring.RingBackend.produce_reduce_scatter
+    handler, produce = HANDLERS[rs_op._op], ring.RingBackend.produce_reduce_scatter
 
     def marked(fn, start: str, stop: str):
         def call(*a):
@@ -125,12 +125,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             **{f"p_{p}": statistics.median(v[-args.repeats :]) for p, v in phases.items()},
         }
 
-    HANDLERS[rs_op] = marked(handler, "handler", "handled")
+    HANDLERS[rs_op._op] = marked(handler, "handler", "handled")
     ring.RingBackend.produce_reduce_scatter = marked(produce, "ring", "ringed")
     try:
         return [one_n(n) for n in args.n]
     finally:
-        HANDLERS[rs_op], ring.RingBackend.produce_reduce_scatter = handler, produce
+        HANDLERS[rs_op._op], ring.RingBackend.produce_reduce_scatter = handler, produce
 
 
 def main(argv=None) -> int:

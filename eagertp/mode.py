@@ -51,7 +51,9 @@ class EagerTPMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # NB: the hot path. Plain ops while nothing is pending cost one dict
-        # lookup and two attribute reads on top of an empty mode.
+        # lookup and a few attribute reads on top of an empty mode, and call the
+        # op's C++ entry point (``func._op``: what ``OpOverload.__call__``, a
+        # Python frame, calls).
         engine = self.engine
         if kwargs is None:
             kwargs = {}
@@ -63,11 +65,11 @@ class EagerTPMode(TorchDispatchMode):
                 # never hold our placeholders: pass them through untouched.
                 return func(*args, **kwargs)
         if engine.issuing:
-            return func(*args, **kwargs)
-        handler = HANDLERS.get(func)
+            return func._op(*args, **kwargs)
+        handler = HANDLERS.get(func._op)
         if handler is None:
             if not engine.store.items:
-                return func(*args, **kwargs)
+                return func._op(*args, **kwargs)
             return engine.run_plain(func, args, kwargs)
         if engine.store.sending:  # an in-place collective may write a shard in flight
             engine.release_shards(func, written_tensors(func, args, kwargs))

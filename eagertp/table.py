@@ -18,7 +18,11 @@ if TYPE_CHECKING:
     from eagertp.engine import Engine
 
 Handler = Callable[["Engine", torch._ops.OpOverload, tuple, dict], Any]
-HANDLERS: dict[torch._ops.OpOverload, Handler] = {}
+# NB: keyed by each OpOverload's ``_op``, its C++ entry point, whose hash is C's:
+# the OpOverload's own ``__hash__`` is a Python method, a frame on every op the
+# program runs (``HANDLERS.get(func._op)``). One OpOverload object per op: the
+# dispatcher hands a mode the one ``torch.ops`` holds.
+HANDLERS: dict[Callable[..., Any], Handler] = {}
 
 
 def register(ops: Sequence[torch._ops.OpOverload]) -> Callable[[Handler], Handler]:
@@ -26,12 +30,12 @@ def register(ops: Sequence[torch._ops.OpOverload]) -> Callable[[Handler], Handle
 
     def decorator(handler: Handler) -> Handler:
         for op in ops:
-            if op in HANDLERS:
+            if op._op in HANDLERS:
                 raise RuntimeError(
-                    f"eagertp: {op} already handled by {HANDLERS[op].__name__}; "
+                    f"eagertp: {op} already handled by {HANDLERS[op._op].__name__}; "
                     f"cannot also register {handler.__name__}"
                 )
-            HANDLERS[op] = handler
+            HANDLERS[op._op] = handler
         return handler
 
     return decorator

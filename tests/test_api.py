@@ -151,3 +151,27 @@ def test_zero_size_shard_is_issued_unfused_with_reason(pool):
         results[0]["explain"],
         """all_gather #0 f32[0, 6] -> f32[0, 6] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.mm.default reads an empty gathered tensor: there is nothing to overlap, and none ran while it was in flight""",
     )
+
+
+def test_the_handler_table_refuses_a_second_handler_and_finds_the_ops_the_dispatcher_hands_a_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from eagertp.table import HANDLERS, register
+
+    mm = torch.ops.aten.mm.default
+    with pytest.raises(RuntimeError) as e:
+        register([mm])(lambda engine, func, args, kwargs: None)
+    assert_expected_inline(str(e.value), """eagertp: aten.mm.default already handled by _mm; cannot also register <lambda>""")
+
+    # The table is keyed by each OpOverload's C++ entry point (Note in eagertp.table):
+    # the op a mode receives must be the one torch.ops holds, or every lookup would miss.
+    seen = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        torch.ones(2, 2) @ torch.ones(2, 2)
+    assert [f for f in seen if f._op in HANDLERS] == [mm], seen
