@@ -218,6 +218,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     }
 
 
+def _spread(quartiles: tuple[float, float, float]) -> str:
+    q1, q2, q3 = quartiles
+    return f"median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     with _harness.quiet_warnings():
@@ -237,20 +242,16 @@ def main(argv=None) -> int:
         f"  eagertp        {r['t_fused'] * 1e3:8.1f} ms   ({r['t_unfused'] / r['t_fused']:.2f}x; "
         f"{r['fused_ops_per_step']} fused, {r['unfused_ops_per_step']} unfused collectives per step)"
     )
-    q1, q2, q3 = r["speedup_in_rounds"]
-    print(f"  speedup within each round: median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x")
-    q1, q2, q3 = r["mode_in_rounds"]
+    print(f"  speedup within each round: {_spread(r['speedup_in_rounds'])}")
     print(
         f"  as written     {r['t_as_written'] * 1e3:8.1f} ms   (eagertp, every collective issued as written; "
-        f"unfused / as written within each round: median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x)"
+        f"unfused / as written within each round: {_spread(r['mode_in_rounds'])})"
     )
-    q1, q2, q3 = r["fusion_in_rounds"]
-    print(f"  fusing alone: as written / eagertp within each round: median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x")
+    print(f"  fusing alone: as written / eagertp within each round: {_spread(r['fusion_in_rounds'])}")
     print(f"  bound (no communication)  {r['t_bound'] * 1e3:8.1f} ms")
-    q1, q2, q3 = r["floor_in_rounds"]
     print(
         f"  floor (the bound under an empty TorchDispatchMode)  {r['t_floor'] * 1e3:8.1f} ms   "
-        f"(floor / bound within each round: median {q2:.2f}x, quartiles {q1:.2f}x-{q3:.2f}x)"
+        f"(floor / bound within each round: {_spread(r['floor_in_rounds'])})"
     )
     exposed = r["t_unfused"] - r["t_bound"]
     r["hidden"] = (r["t_unfused"] - r["t_fused"]) / exposed if exposed > 0 else None
