@@ -24,6 +24,9 @@ contribution to chunk c of the product; ``j``: a piece)::
     all_gather_indep_matmul:
                          post the gather, z = a2 @ b2, then all_gather_matmul's
                          consumer
+    matmul_all_gather:   post recv(q's product, by piece)
+                         for j: y[r][j] = a[j] @ b; send it
+                         wait
 
 Every message of a schedule is posted in the same order on both ranks, with
 the default tag, so the pieces match in order.
@@ -141,6 +144,25 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, pieces: int) -> Callable
             y[rank][r].add_(recv_buf[r])
             sends.append(dist.isend(y[rank][r], dst=peer))
         _wait(reduced)
+        _wait(sends)
+
+    return run
+
+
+def matmul_all_gather(a: torch.Tensor, b: torch.Tensor, pieces: int) -> Callable[[], None]:
+    """``y = all_gather(a @ b)``: this rank's product made in pieces, each sent as made."""
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    m = a.shape[0]
+    y = a.new_empty(2, m, b.shape[1])
+    rows = _split(m, pieces)
+
+    def run() -> None:
+        recvs = [dist.irecv(y[peer][r], src=peer) for r in rows]
+        sends = []
+        for r in rows:
+            torch.mm(a[r], b, out=y[rank][r])
+            sends.append(dist.isend(y[rank][r], dst=peer))
+        _wait(recvs)
         _wait(sends)
 
     return run

@@ -1,6 +1,6 @@
 """Overlap of one fused op: eagertp against unfused eager and the limit.
 
-For all-gather + matmul, matmul + reduce-scatter and matmul + all-reduce, sweeps shapes from
+For all-gather + matmul, matmul + reduce-scatter, matmul + all-reduce and matmul + all-gather, sweeps shapes from
 communication-bound to compute-bound and times, in one run: the collective
 alone (t_comm), the matmul alone (t_mm), unfused eager (t_unfused: the
 collective, then the matmul) and eagertp (t_fused). The limit for a fused op is
@@ -22,6 +22,14 @@ chunk by chunk by the matmul, then an all-gather of the reduced rows (Note
 matmul, so the gather half has nothing to hide behind, and with 2 ranks the
 attainable time is about max(comm/2, mm) + comm/2, not max(comm, mm): E stays
 below 0.5 at the balance point.
+
+``matmul_all_gather`` is ``funcol.all_gather_single(a @ b, 0, group)``: each
+rank's M/W x K @ K x N product gathered (a column-parallel linear whose output
+is replicated, as HF's "colwise_rep" lm_head); mm is that per-rank matmul.
+eagertp makes the product in the pieces the gather sends, each sent as made
+(Note [Matmul + all-gather] in eagertp.collectives.all_gather); the limit is
+max(comm, mm) like the others, though with 2 pieces at most a piece's matmul
+or transfer stays exposed.
 
 ``all_gather_indep_matmul`` is the prefetch form: the program issues the
 all-gather, then a matmul that does not read it, then the gather's consumer::
@@ -53,11 +61,13 @@ import _harness
 
 OPS = (
     "all_gather_matmul", "matmul_reduce_scatter", "all_gather_matmul_k", "all_gather_indep_matmul",
-    "matmul_all_reduce",
+    "matmul_all_reduce", "matmul_all_gather",
 )
 # Forms whose program plain eager already overlaps (an async gather behind
 # independent work): reported against that program, in a table of their own.
 PREFETCH_OPS = ("all_gather_indep_matmul",)
+# The stats of a fused call: one of them counts each form's call.
+FUSED_STATS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_gather")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,6 +118,7 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     b = torch.randn(k, n, generator=g, dtype=dtype)
     full = torch.randn(m, k, generator=g, dtype=dtype)  # NB: not empty(): garbage denormals slow matmuls
+    mm_operand = full  # what the form's one matmul reads (M x K, unless a form says otherwise)
     if op in ("all_gather_matmul", "all_gather_matmul_k"):
         gather_dim = 0 if op == "all_gather_matmul" else 1
         shard = torch.randn(*((m // world, k) if gather_dim == 0 else (m, k // world)), generator=g, dtype=dtype)
@@ -155,6 +166,23 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
         hand_fns = {p: hand.matmul_all_reduce(a, b, p) for p in hand.PIECES}
         moved = [c[: m // world], c[: m // world]]  # the reduce-scatter half, then the gather half
 
+    elif op == "matmul_all_gather":
+        a = mm_operand = torch.randn(m // world, k, generator=g, dtype=dtype)
+        c = torch.randn(m // world, n, dtype=dtype)
+        gathered = torch.empty(m, n, dtype=dtype)
+
+        def comm():
+            all_gather_single(gathered, c, group=group)
+
+        def program():
+            # NB: waited and returned: plain eager's gather is asynchronous, and
+            # the result is observed (held until the block's exit).
+            g = funcol_all_gather(a @ b, 0, group)
+            return g.wait() if isinstance(g, funcol.AsyncCollectiveTensor) else g
+
+        hand_fns = {p: hand.matmul_all_gather(a, b, p) for p in hand.PIECES}
+        moved = [c]
+
     else:
         a = torch.randn(m, k, generator=g, dtype=dtype)
         c = torch.randn(m, n, dtype=dtype)
@@ -170,7 +198,7 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
         moved = [out]
 
     def mm():
-        torch.mm(full, b)
+        torch.mm(mm_operand, b)
 
     if world != 2:
         return comm, mm, program, {}
@@ -197,12 +225,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             fns = {"t_comm": comm, "t_mm": mm, "t_unfused": program, "t_fused": with_eagertp, **hand}
             rounds: list[dict[str, float]] = []
             t = _harness.time_interleaved(fns, dist.group.WORLD, repeats=args.repeats, warmup=args.warmup, rounds=rounds)
-            fused = sum(pipe.stats[s] for s in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")) == 1
-            # Unfused only by the size rule (a pattern that failed to match is a bug here).
-            assert fused or "size rule" in pipe.explain(), f"{op} did not run fused: {pipe.explain()}"
+            fused = sum(pipe.stats[s] for s in FUSED_STATS) == 1
+            # Unfused only by the size rule, or a product gathered in one piece
+            # (a pattern that failed to match is a bug here).
+            path = "fused" if fused else "size rule" if "size rule" in pipe.explain() else "one piece"
+            assert path != "one piece" or "travels in one piece" in pipe.debug_string(), (
+                f"{op} did not run fused: {pipe.explain()}"
+            )
             results.append(
                 {"op": op, "M": args.m, "K": args.k, "N": n, "world_size": world, "dtype": args.dtype,
-                 "backend": pipe.backend, "fused": fused,
+                 "backend": pipe.backend, "fused": fused, "path": path,
                  # what t_unfused times: the program without eagertp
                  "baseline": "eager (async gather)" if op in PREFETCH_OPS else "unfused", **t, "rounds": rounds}
             )
@@ -281,7 +313,6 @@ def main(argv=None) -> int:
         r["speedup"] = r["t_unfused"] / r["t_fused"]
         r["efficiency"] = efficiency(r) if r["op"] not in PREFETCH_OPS else float("nan")
         r["comm_over_mm"] = r["t_comm"] / r["t_mm"]
-        r["path"] = "fused" if r["fused"] else "size rule"
         r["t_limit"] = limit(r)
         if r["op"] in PREFETCH_OPS:
             r["t_eager_bound"] = max(r["t_comm"], r["t_mm"]) + r["t_mm"]

@@ -727,6 +727,10 @@ class PendingGather:
     # The all-gather half of a fused all-reduce: ``record`` is the all-reduce's
     # (Note [Matmul + all-reduce] in eagertp.collectives.all_reduce).
     half_of_all_reduce: bool = False
+    # Its shard was made as it was sent, by the product it gathers (Note
+    # [Matmul + all-gather] in eagertp.collectives.all_gather): accounted for
+    # where it was issued.
+    produced: bool = False
     # Tensors on ``out``'s storage once the gather started (the placeholder
     # and the backend's views of it); None: not counted (Note [This rank's
     # chunk, unread] in eagertp.engine).

@@ -49,7 +49,7 @@ from eagertp.deferred import (
     storage_uses,
     tensor_leaves,
 )
-from eagertp.patterns import AllGatherMatmulPlan, gather_signature
+from eagertp.patterns import AllGatherMatmulPlan, gather_signature, gathered_product, shard_producer
 from eagertp.trace import CollectiveRecord, Meta, Reason, Text, Trace
 
 log = logging.getLogger(__name__)
@@ -376,13 +376,13 @@ class Engine:
     def _account_gather(self, gather: PendingGather, plan: AllGatherMatmulPlan, reason: str | Reason) -> None:
         """Stats, explain() record and trace event of a completed gather."""
         overlapped = self.matmul_work - gather.work_at_start
-        if gather.half_of_all_reduce:
-            # The all-reduce was accounted for where it was issued; only its
-            # gather half's consumers are new (Note [Matmul + all-reduce] in
-            # eagertp.collectives.all_reduce).
+        if gather.half_of_all_reduce or gather.produced:
+            # Accounted for where it was issued (Note [Matmul + all-reduce] in
+            # eagertp.collectives.all_reduce, Note [Matmul + all-gather] in
+            # eagertp.collectives.all_gather); only its consumers are new.
             if plan.fused:
                 self._count_fused(gather, plan)
-                gather.record.gather_half_with = plan.fused_with()
+                gather.record.then_fused_with = plan.fused_with()
             self.trace.event(*plan.trace_event(gather.backend))
             return
         if gather.scale_of:
@@ -417,9 +417,14 @@ class Engine:
         self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Start the gather now and return its placeholder: ``out`` (contiguous,
-        gathered shape), the caller's output buffer, or a new one."""
-        if self.store.touched([shard]) is not None:
-            self.complete_owners([shard], "all_gather_into_tensor")
+        gathered shape), the caller's output buffer, or a new one. A shard that
+        a pending product makes is made as it is sent, where the backend can
+        (Note [Matmul + all-gather] in eagertp.collectives.all_gather)."""
+        product = None
+        if self.store.items and self.store.touched([shard]) is not None:
+            product = gathered_product(self.store.standalone_output(shard), shard)
+            if product is None:
+                self.complete_owners([shard], "all_gather_into_tensor")
         shard = shard.contiguous()
         placeholder = out is None  # else the caller's own buffer, the program's to read
         if placeholder:
@@ -429,18 +434,50 @@ class Engine:
         with self.issuing_work():
             if self.verify:
                 # NB: before the backend is chosen: symm_mem's first use of a
-                # group rendezvouses, a collective that mismatched ranks would hang
-                # in. Plain eager's result is gathered here, in program order on
-                # every rank, for the comparison when the gather completes.
+                # group rendezvouses, a collective that mismatched ranks would hang in.
                 check_ranks_agree(gather_signature(shard), group)
-                self.gather_reference(gather)
             backend, gather.backend = self.choose_backend(shard, group)
             record.backend = gather.backend
-            gather.handle = backend.start_all_gather(shard, out, group)
+            why_not = None if product is None else backend.why_not_produce_all_gather(shard, group)
+            if why_not is not None:
+                self.complete_owners([shard], "all_gather_into_tensor", f"made ${product.tid} first: {why_not}")
+                gather.work_at_start = self.matmul_work  # NB: it ran before the gather, not behind it
+                product = None
+            if product is None:
+                gather.handle = backend.start_all_gather(shard, out, group)
+            else:
+                self._produce_gather(gather, product, backend)
+            if self.verify:
+                # Plain eager's result, gathered in program order on every rank
+                # (after the start, which may make the shard), for the comparison
+                # when the gather completes.
+                self.gather_reference(gather)
         if placeholder:
             gather.storage_uses_at_start = storage_uses(out)  # Note [This rank's chunk, unread]
         self.add_gather(gather)
         return out
+
+    def _produce_gather(self, gather: PendingGather, product: Product, backend: Backend) -> None:
+        """Start ``gather`` with its shard made by ``product`` as it is sent
+        (Note [Matmul + all-gather] in eagertp.collectives.all_gather): the
+        product completes here, and the gather is accounted for as fused."""
+        self.complete_past("all_gather_into_tensor", product.tid - 1)
+        self.store.remove(product)
+        self.count_matmul_work()
+        with profiler_range("eagertp::matmul_all_gather"):
+            gather.handle = backend.produce_all_gather(
+                shard_producer(product, gather.shard), gather.shard, gather.out, gather.group
+            )
+        for sv in product.scatter_views:
+            sv.fill(product.out)
+        if self.verify:
+            want = torch.empty_like(product.out)
+            product.compute_all(want)
+            check_equal(f"{product.describe()} before all_gather", product.out, want, gather.group, exact=False)
+        gather.produced = True
+        self.stats["matmul_all_gather"] += 1
+        self.trace.mark_fused(gather.record, [product.describe()], gather.backend)
+        self.trace.event("matmul_all_gather(${}) [{}]", product.tid, gather.backend)
 
     def choose_backend(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str]:
         """The backend for a collective on ``t``, and its label for explain()

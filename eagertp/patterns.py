@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
-from eagertp.backends.base import ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer, chunk_rows
+from eagertp.backends.base import (
+    ALL_ROWS, ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer, ShardProducer, chunk_rows,
+)
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import (
     GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView, all_rows,
@@ -385,6 +387,37 @@ def _render_gather_plan(
 def _render_scatter_plan(name: str, reduce_op: str, src: int | Meta, backend: str) -> str:
     """``src``: the id of the product it was fused with, else its input's shape."""
     return f"{name}({reduce_op}, {f'${src}' if isinstance(src, int) else src}) [{backend}]"
+
+
+def gathered_product(found: tuple[Product, ScatterView | None] | None, shard: torch.Tensor) -> Product | None:
+    """The pending product that makes ``shard``, an all-gather's input, if the
+    gather can make it piece by piece as it sends it (Note [Matmul +
+    all-gather] in eagertp.collectives.all_gather): ``found`` is the store's
+    ``standalone_output(shard)``; each row of ``shard`` must hold whole rows of
+    the product's output (the pieces are rows of ``shard``)."""
+    if found is None or found[1] is not None:
+        return None
+    product = found[0]
+    if shard.dim() < 2 or shard[0].numel() % product.out.shape[1]:
+        return None
+    return product
+
+
+def shard_producer(product: Product, shard: torch.Tensor) -> ShardProducer:
+    """The producer of rows ``rows`` of ``shard``, the whole output of
+    ``product`` in a row-major view: the product's rows they hold, written in
+    place (``gathered_product`` checked that they are whole rows)."""
+    n = product.out.shape[1]
+    per_row = shard[0].numel() // n  # product rows per row of shard
+
+    def produce(piece: torch.Tensor, rows: slice) -> None:
+        if rows == ALL_ROWS:
+            product.compute_all(piece.view(-1, n))
+            return
+        start, stop, _ = rows.indices(shard.shape[0])
+        product.compute_rows(lambda t: t[start * per_row : stop * per_row], piece.view(-1, n))
+
+    return produce
 
 
 def gather_signature(shard: torch.Tensor) -> str:

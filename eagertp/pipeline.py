@@ -96,7 +96,8 @@ class EagerMicroPipeline:
             matmuls ran while it was in flight: a prefetch kept),
             ``unfused_all_gather`` (overlapped nothing),
             ``unfused_reduce_scatter`` and ``unfused_all_reduce``, each not fused with a reason in
-            ``explain()``.
+            ``explain()``; ``matmul_all_gather`` (gathers whose shard the
+            product made piece by piece as it was sent: Note [Matmul + all-gather]).
     """
 
     def __init__(

@@ -111,9 +111,11 @@ class CollectiveRecord:
     reason: Text | None = None
     # A gathered row-wise FP8 scale: the fused matmuls it is scale_a of.
     scale_of: list[Text] | None = None
-    # A fused all-reduce: the matmuls its all-gather half fed, once completed
-    # (Note [Matmul + all-reduce] in eagertp.collectives.all_reduce).
-    gather_half_with: list[Text] | None = None
+    # A fused all-reduce, or a gather of a product: the matmuls its gathered
+    # tensor fed, once completed (Note [Matmul + all-reduce] in
+    # eagertp.collectives.all_reduce, Note [Matmul + all-gather] in
+    # eagertp.collectives.all_gather).
+    then_fused_with: list[Text] | None = None
 
     def render(self) -> str:
         head = f"{self.kind} #{self.index} {self.src} -> {self.dst} on {self.group}"
@@ -121,8 +123,9 @@ class CollectiveRecord:
             roles = [f"fused with {_join(self.fused_with)}"] if self.fused_with else []
             if self.scale_of:
                 roles.append(f"fused as scale_a of {_join(self.scale_of)}")
-            if self.gather_half_with:
-                roles.append(f"its all-gather half fused with {_join(self.gather_half_with)}")
+            if self.then_fused_with:
+                what = "its all-gather half" if self.kind.startswith("all_reduce") else "then the gathered tensor"
+                roles.append(f"{what} fused with {_join(self.then_fused_with)}")
             return f"{head}: {'; '.join(roles)} [{self.backend}]"
         if self.reason is None:
             return f"{head}: in flight" + (f" [{self.backend}]" if self.backend else "")

@@ -47,6 +47,11 @@ def test_overlap_times_every_form():
                "--warmup", "0", "--min-fuse-bytes", "0")
     for form in forms:
         assert re.search(rf"^ *{form} +256 +256 +64 .* fused ", out, re.MULTILINE), out
+    # The product's gather needs a shard that travels in pieces (Note [Pieces]): 128 x 2048 floats, 1 MiB.
+    out = _run("overlap.py", "--ops", "matmul_all_gather", "--m", "256", "--k", "256", "--n", "64", "2048",
+               "--repeats", "1", "--warmup", "0", "--min-fuse-bytes", "0")
+    assert re.search(r"^ *matmul_all_gather +256 +256 +64 .* one piece ", out, re.MULTILINE), out
+    assert re.search(r"^ *matmul_all_gather +256 +256 +2048 .* fused ", out, re.MULTILINE), out
 
 
 def test_call_cost_splits_a_fused_call_into_phases():

@@ -9,7 +9,9 @@ Qwen3, Mixtral and Phi-3 add what other plans do: all-reduced norm-weight
 gradients, MoE experts, products all-gathered along the last dim
 (``_OTHER_PLANS``). One forward + backward under ``EagerMicroPipeline`` must
 equal plain eager (logits, loss, every gradient), every all-reduce of a matmul
-output must be fused, and every other collective unfused with its reason.
+output must be fused, and every other collective unfused with its reason;
+Phi-3 run again with every shard in pieces must also make each of its
+products all-gathered as it sends it (Note [Matmul + all-gather]).
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
@@ -30,6 +32,10 @@ from helpers import OpCounter
 from multirank import WORLD
 
 from eagertp import EagerMicroPipeline
+
+# Families also run with every shard in pieces (Note [Pieces]): their gathers
+# of matmul outputs then make the product as they send it.
+_IN_PIECES = ("phi3",)
 
 # family -> its config beyond the shared tiny shape (4 heads and 4 KV heads:
 # split over the pool's 4 ranks). What each plan adds: _OTHER_PLANS.
@@ -84,10 +90,12 @@ def _hf_worker(rank, group, path, families):
         projections = [(n, type(p).__name__) for n, p in model.named_parameters() if n.endswith("proj.weight")]
         assert projections and all(kind == "DTensor" for _, kind in projections), (family, projections)
         reports[family] = _compare_step(model)
+        if family in _IN_PIECES:
+            reports[f"{family} in pieces"] = _compare_step(model, in_pieces=True)
     return reports
 
 
-def _compare_step(model) -> dict:
+def _compare_step(model, in_pieces: bool = False) -> dict:
     """One forward + backward, plain eager then under EagerMicroPipeline: are
     the logits, the loss and every gradient close, and what ran."""
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))  # 16 rows: split over 4 ranks
@@ -108,7 +116,7 @@ def _compare_step(model) -> dict:
         expected = step(contextlib.nullcontext())
     expected = full(expected)
     counter, pipe = OpCounter(), EagerMicroPipeline()
-    with counter:
+    with counter, _small_pieces() if in_pieces else contextlib.nullcontext():
         got = step(pipe)
     got = full(got)
     mismatches = {}
@@ -127,6 +135,20 @@ def _compare_step(model) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _small_pieces():
+    """As helpers.with_small_pieces: every shard in up to 4 pieces, so that
+    the tiny models' gathers of products are made as they are sent."""
+    from eagertp.backends import ring
+
+    saved = dict(ring.PIECES)
+    ring.PIECES.update({kind: (4, 1) for kind in ring.PIECES})
+    try:
+        yield
+    finally:
+        ring.PIECES.update(saved)
+
+
 @pytest.fixture(scope="module")
 def hf_reports(pool, tmp_path_factory):
     """Every family's report from every rank, from one run of the pool."""
@@ -136,7 +158,7 @@ def hf_reports(pool, tmp_path_factory):
         # NB: transformers stays imported in the workers (its lazy modules, its
         # threads): later tests that count live objects get fresh ones.
         pool.restart()
-    return {family: [r[family] for r in results] for family in _FAMILIES}
+    return {family: [r[family] for r in results] for family in results[0]}
 
 
 def _check_common(reports, family: str) -> None:
@@ -201,8 +223,10 @@ _OTHER_PLANS = {
     # "colwise_gather_output": each layer's packed qkv and gate_up products are
     # all-gathered along the last dim (forward), as are the gradients of the
     # "rowwise_split_input" inputs (backward), and lm_head's output: 9 gathers
-    # of matmul outputs, which eagertp does not fuse (it fuses a gather's
-    # consumers, and these are elementwise), each with the reason.
+    # of matmul outputs. At these sizes each shard travels in one piece, so
+    # each product is made first; their consumers are elementwise, so no
+    # matmul binds to them either: unfused, with the reason. In pieces:
+    # test_hf_gathers_of_matmul_outputs_made_as_they_are_sent.
     "phi3": (
         {"all_reduce": 10, "all_gather_into_tensor": 9},
         {"matmul_all_reduce": 9, "unfused_all_reduce": 1, "unfused_all_gather": 9},
@@ -231,3 +255,15 @@ def test_hf_transformers_tp_plans_of_other_families(hf_reports, family):
         assert len(unfused) == sum(n for n, _ in reasons), r["explain"]
         for n, text in reasons:
             assert sum(text in line for line in unfused) == n, (text, r["explain"])
+
+
+def test_hf_gathers_of_matmul_outputs_made_as_they_are_sent(hf_reports):
+    """Phi-3's "colwise_gather_output" plan, every shard in pieces: its 9
+    gathers of matmul outputs make each product as they send it."""
+    results = hf_reports["phi3 in pieces"]
+    _check_common(results, "phi3")
+    for r in results:
+        assert r["stats"] == {"matmul_all_gather": 9, "matmul_all_reduce": 9, "unfused_all_reduce": 1}, r
+        gathers = [line for line in r["explain"].splitlines() if line.startswith("all_gather")]
+        assert len(gathers) == 9 and all(": fused with mm -> $" in line for line in gathers), r["explain"]
+        assert r["eager_collectives"] == {"all_reduce": 10, "all_gather_into_tensor": 9}, r

@@ -27,6 +27,16 @@ flight (a handle like ``start_all_gather``'s, consumed later)::
         produce_reduce_scatter(producer, out[this rank's rows], group, reduce_op)
         handle = start_all_gather(out[this rank's rows], out, group)
 
+and gathering a shard that a *producer* makes, each piece sent as soon as
+it is made (the ring; the others make the shard, then send it)::
+
+    handle = produce_all_gather(producer, shard, ag_out, group)
+
+        for rows in the pieces the shard travels in:
+            producer(shard[rows], rows)
+            send shard[rows]
+        handle = the gather of ag_out in flight, as start_all_gather's
+
 ``consumer`` may be ``None`` (the gather alone). Calls to one consumer may
 overlap where a backend runs them on several CUDA streams (none does: symm_mem
 runs them on the current stream, each behind its chunk's event), unless it is
@@ -44,7 +54,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer, OrderedConsumer
+from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer, OrderedConsumer, ShardProducer
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.backends.ring import RingBackend
 from eagertp.backends import symm_mem
@@ -53,6 +63,7 @@ from eagertp.trace import Lazy
 
 __all__ = [
     "BACKENDS", "MIN_FUSE_BYTES", "Backend", "BackendChoice", "ChunkConsumer", "ChunkProducer", "OrderedConsumer",
+    "ShardProducer",
 ]
 
 BACKENDS: dict[str, type[Backend]] = {

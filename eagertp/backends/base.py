@@ -43,6 +43,11 @@ class OrderedConsumer:
 ChunkProducer = Callable[[int, torch.Tensor, slice], None]
 ALL_ROWS = slice(None)
 
+# producer(piece, rows): writes rows `rows` (a slice along dim 0, or ALL_ROWS)
+# of this rank's shard of an all-gather into piece, the shard's own view of
+# them, before they are sent (``Backend.produce_all_gather``).
+ShardProducer = Callable[[torch.Tensor, slice], None]
+
 
 def chunk_rows(chunk: torch.Tensor) -> torch.Tensor:
     """A contiguous chunk as the rows a producer's pieces count: [-1, last dim]."""
@@ -117,6 +122,21 @@ class Backend(Protocol):
         backend until the handle is consumed."""
         ...
 
+    def why_not_produce_all_gather(self, shard: torch.Tensor, group: dist.ProcessGroup) -> str | None:
+        """Why ``produce_all_gather`` could not overlap making ``shard`` with
+        sending it, if it could not (then the caller makes it first). Reads
+        shapes, devices and the group only."""
+        ...
+
+    def produce_all_gather(
+        self, producer: ShardProducer, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup
+    ) -> GatherHandle:
+        """``start_all_gather`` of a shard that ``producer`` makes, piece by
+        piece, each piece sent as soon as it is made: the messages are those of
+        ``start_all_gather(shard, ...)`` (Invariant 2). On return ``shard``
+        holds every piece."""
+        ...
+
     def produce_reduce_scatter(
         self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
     ) -> None:
@@ -157,6 +177,15 @@ def reduce_scatter_then_gather(
     shard = out[group.rank() * m : (group.rank() + 1) * m]
     backend.produce_reduce_scatter(producer, shard, group, reduce_op)
     return backend.start_all_gather(shard, out, group)
+
+
+def produce_then_gather(
+    backend: Backend, producer: ShardProducer, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup
+) -> GatherHandle:
+    """``Backend.produce_all_gather`` for a backend that sends a shard whole:
+    the shard made, then its gather started (nothing overlaps)."""
+    producer(shard, ALL_ROWS)
+    return backend.start_all_gather(shard, ag_out, group)
 
 
 def consume_in_order(consumer: ChunkConsumer | None, chunks: torch.Tensor) -> None:

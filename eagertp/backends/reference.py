@@ -11,9 +11,12 @@ from eagertp.backends.base import (
     REDUCE_OPS,
     ChunkConsumer,
     ChunkProducer,
+    GatherHandle,
+    ShardProducer,
     check_gather_buffers,
     check_scatter_buffers,
     consume_in_order,
+    produce_then_gather,
     reduce_scatter_then_gather,
 )
 
@@ -33,6 +36,14 @@ class ReferenceBackend:
         # that the caller may overwrite shard at once.
         work = all_gather_single(ag_out, shard.clone(), group=group, async_op=True)
         return _AsyncGather(work, ag_out.view(group.size(), *shard.shape))
+
+    def why_not_produce_all_gather(self, shard: torch.Tensor, group: dist.ProcessGroup) -> str | None:
+        return "the reference backend gathers a shard whole, as plain eager does"
+
+    def produce_all_gather(
+        self, producer: ShardProducer, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup
+    ) -> GatherHandle:
+        return produce_then_gather(self, producer, shard, ag_out, group)
 
     def produce_reduce_scatter(
         self,

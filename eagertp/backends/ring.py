@@ -78,6 +78,7 @@ from eagertp.backends.base import (
     ChunkConsumer,
     ChunkProducer,
     GatherHandle,
+    ShardProducer,
     check_gather_buffers,
     check_scatter_buffers,
     chunk_rows,
@@ -100,6 +101,26 @@ class RingBackend:
         if group.size() > 2 and shard.device.type == "cpu" and shard.numel():
             return _ThreadedRing(shard, ag_out, group, _next_tag(group))
         return _P2PGather(shard, ag_out, group)
+
+    def why_not_produce_all_gather(self, shard: torch.Tensor, group: dist.ProcessGroup) -> str | None:
+        if shard.device.type != "cpu":
+            return "the ring makes a shard piece by piece on gloo only (NCCL posts a gather as one batch)"
+        if group.size() == 1:
+            return "a group of one rank sends nothing"
+        if len(piece_rows(shard, "all_gather")) < 2:
+            return f"{Meta.of(shard)} travels in one piece (Note [Pieces]): nothing to overlap its making with"
+        return None
+
+    def produce_all_gather(
+        self, producer: ShardProducer, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup
+    ) -> _P2PGather | _ThreadedRing:
+        """Each piece of the shard made, then sent at once, while the next is
+        made (Note [Matmul + all-gather] in eagertp.collectives.all_gather)."""
+        check_gather_buffers(shard, ag_out, group)
+        assert self.why_not_produce_all_gather(shard, group) is None, "the caller checks why_not_produce_all_gather"
+        if group.size() > 2:
+            return _ThreadedRing(shard, ag_out, group, _next_tag(group), producer)
+        return _P2PGather(shard, ag_out, group, producer)
 
     def produce_reduce_scatter(
         self,
@@ -138,7 +159,9 @@ class RingBackend:
 class _P2PGather:
     """An all-gather in flight: every send and receive posted at construction."""
 
-    def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup, producer: ShardProducer | None = None
+    ) -> None:
         world, rank = group.size(), group.rank()
         self._rank, self._group = rank, group
         self._what = Reason("all_gather of {}", Meta.of(shard))
@@ -157,7 +180,17 @@ class _P2PGather:
             ops += [(_isend, piece, dst) for piece in shard_pieces]
             ops += [(_irecv, piece, src) for s, _, piece in self._pieces if s == src]
         try:
-            works = _post(ops, group)
+            if producer is None:
+                works = _post(ops, group)
+            else:  # 2 ranks on gloo: the receives first, then each piece sent as soon as it is made
+                assert world == 2 and ag_out.device.type == "cpu", "produced gathers: RingBackend.produce_all_gather"
+                sent = len(shard_pieces)  # ops: the sends of the shard's pieces, then the receives
+                recvs = [post(t, group, peer) for post, t, peer in ops[sent:]]
+                works = []
+                for r, (post, piece, peer) in zip(rows, ops[:sent]):
+                    producer(piece, r)
+                    works.append(post(piece, group, peer))
+                works += recvs
         except RuntimeError as e:
             raise peer_error(e, self._what, group, sources[0] if sources else rank) from e  # 2 ranks: the one peer
         # This rank's chunk of ag_out: copied from the shard when consumed,
@@ -236,7 +269,14 @@ class _ThreadedRing:
     consuming thread drives it itself, as it waits anyway (Note [Who drives
     the ring])."""
 
-    def __init__(self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
+    def __init__(
+        self,
+        shard: torch.Tensor,
+        ag_out: torch.Tensor,
+        group: dist.ProcessGroup,
+        tag: int,
+        producer: ShardProducer | None = None,
+    ) -> None:
         world, rank = group.size(), group.rank()
         self._rank = rank
         self._links = _Links(group, Reason("all_gather of {}", Meta.of(shard)), tag)
@@ -251,9 +291,16 @@ class _ThreadedRing:
         self._driven = 0  # pieces received (and forwarded) so far
         self._stop = False  # set by consume() to drive the rest itself
         # Step 0 from this thread: this rank's shard goes out, from the shard
-        # itself (Note [Sends from the shard]), the first shard's pieces are posted.
-        self._shard_sends = [self._links.isend(shard[r]) for r in rows]
+        # itself (Note [Sends from the shard]), the first shard's pieces are
+        # posted. A produced shard: the receives first, each piece made, then sent.
+        if producer is None:
+            self._shard_sends = [self._links.isend(shard[r]) for r in rows]
         self._recvs = {p: self._links.irecv(chunks[src][r]) for p, (src, r) in enumerate(self._pieces[: len(rows)])}
+        if producer is not None:
+            self._shard_sends = []
+            for r in rows:
+                producer(shard[r], r)
+                self._shard_sends.append(self._links.isend(shard[r]))
         chunks[rank].copy_(shard)  # while the shard is on its way
         self._sends: list[dist.Work] = []  # the forwards, appended by whichever thread drives the ring
         self._helper_done = threading.Event()

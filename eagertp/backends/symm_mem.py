@@ -44,8 +44,11 @@ from eagertp.backends.base import (
     ALL_ROWS,
     ChunkConsumer,
     ChunkProducer,
+    GatherHandle,
+    ShardProducer,
     check_gather_buffers,
     check_scatter_buffers,
+    produce_then_gather,
     reduce_scatter_then_gather,
 )
 
@@ -260,6 +263,14 @@ class SymmMemBackend:
         check_gather_buffers(shard, ag_out, group)
         with _torch_errors(f"all_gather of {tensor_str(shard)} on {group_str(group)}"):
             return _start_gather(shard, ag_out, group)
+
+    def why_not_produce_all_gather(self, shard: torch.Tensor, group: dist.ProcessGroup) -> str | None:
+        return "symm_mem gathers a shard whole: torch has no pipelined matmul + all-gather of its output"
+
+    def produce_all_gather(
+        self, producer: ShardProducer, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup
+    ) -> GatherHandle:
+        return produce_then_gather(self, producer, shard, ag_out, group)
 
     def produce_reduce_scatter(
         self,

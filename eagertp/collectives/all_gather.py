@@ -1,5 +1,7 @@
 """funcol's all-gather: started where the program issues it (Note [Deferral
-boundary]); its placeholder waits for the matmuls that consume it."""
+boundary]); its placeholder waits for the matmuls that consume it. A shard
+that a pending matmul makes is made piece by piece as it is sent (Note
+[Matmul + all-gather] below)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,34 @@ def _all_gather(engine: Engine, func, args, kwargs):
     if too_small is not None:
         return engine.issue_as_is(func, args, kwargs, "all_gather", shard, group, too_small, gather_signature(shard))
     return engine.start_gather(shard, group)
+
+
+# Note [Matmul + all-gather]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A column-parallel linear whose output is gathered (HuggingFace's
+# "colwise_rep" lm_head and "colwise_gather_output", DTensor's
+# ``ColwiseParallel(output_layouts=Replicate())``) runs its matmul whole, then
+# sends the product. Fuse::
+#
+#     C = mm(A, B)                          # or addmm, _scaled_mm, a sum of them, their cast
+#     G = all_gather(C, group)              # funcol (any gather_dim), raw c10d
+#
+# into one backend call at the program point (``Backend.produce_all_gather``):
+# the pieces the shard travels in (Note [Pieces] in eagertp.backends.ring)
+# are C's rows, each made (``C[rows] = A[rows] @ B``, into C itself) and sent
+# at once while the next is made. On 2 ranks, rank 0, C in 2 pieces::
+#
+#     program: C = A @ B   all_gather(C) ............................ read(G)
+#     compute:             [ C[0] ][ C[1] ]   (other work)
+#     comm:                        [ -> C[0] ][ -> C[1] ]
+#                          [ <- peer's C[0] ][ <- peer's C[1] ]
+#
+# The messages are the gather's own (the same pieces of the same shard), so
+# a peer that made C first, or read it, interoperates (Invariant 2). C is
+# complete when the call returns; the gather stays in flight like any other
+# and matmuls on G still bind to it. Where nothing can overlap (one piece,
+# a backend that sends a shard whole: symm_mem, reference), C is made first,
+# with the reason in the trace; the gather's record then says what became of it.
 
 
 @register([_c10d_functional.wait_tensor.default])

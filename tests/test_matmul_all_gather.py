@@ -1,0 +1,227 @@
+"""Matmul + all-gather of its output (Note [Matmul + all-gather] in
+eagertp.collectives.all_gather) on 2 and 4 gloo ranks.
+
+The ring makes the gathered shard piece by piece, each piece sent as soon as
+it is made; helpers.with_small_pieces splits every shard into up to 4 pieces
+so that small shapes exercise it. Each test asserts that the result equals
+plain eager (bitwise on integer-valued inputs), that the fused path ran
+(``stats["matmul_all_gather"]``, and the matmul issued once per piece, seen by
+an outer OpCounter) and that no plain all-gather was issued.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from helpers import OpCounter, all_gather, fusion_report, integer_tensor, with_small_pieces
+from symm_mem_emulation import run_on
+
+from eagertp import EagerMicroPipeline
+
+WORLDS = [2, 4]
+
+
+def _report(pipe, counter: OpCounter) -> dict:
+    return {
+        **fusion_report(pipe, counter),
+        "matmuls": sum(n for op, n in counter.counts.items() if op.startswith(("aten.mm.", "aten.addmm."))),
+        "explain": pipe.explain(),
+        "trace": pipe.debug_string(),
+    }
+
+
+def _assert_produced(r: dict, *, pieces: int, gathers: int = 1) -> None:
+    assert r["stats"].get("matmul_all_gather") == gathers, r
+    assert r["stats"].get("unfused_all_gather", 0) == 0, r
+    assert r["plain_all_gathers"] == 0, r
+    assert r["matmuls"] == pieces * gathers, r  # one matmul per piece: made as it was sent
+
+
+def _product_worker(rank, group, x_shape, n, gather_dim, bias):
+    """``all_gather(linear(x, w, b), gather_dim)``: a 2-D product, or a 3-D
+    linear gathered along its last dim (HF's colwise_rep lm_head)."""
+    x = integer_tensor(x_shape, torch.float32, seed=rank)
+    w = integer_tensor((n, x_shape[-1]), torch.float32, seed=1)
+    b = integer_tensor((n,), torch.float32, seed=2) if bias else None
+    expected = all_gather(nn.functional.linear(x, w, b), group, gather_dim)
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = all_gather(nn.functional.linear(x, w, b), group, gather_dim)
+    return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(
+    "x_shape,gather_dim", [((8, 16), 0), ((8, 16), 1), ((4, 3, 16), 2), ((4, 3, 16), 0)],
+    ids=["2d", "2d-last", "3d-last", "3d"],
+)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_product_is_made_as_it_is_sent(pool, world, x_shape, gather_dim, bias):
+    for r in pool.run(with_small_pieces, world, _product_worker, x_shape, 6, gather_dim, bias):
+        assert r["ok"], r
+        _assert_produced(r, pieces=4)
+        assert "matmul_all_gather($0) [ring]" in r["trace"], r["trace"]
+        assert "fused with " + ("addmm" if bias else "mm") + " -> $0 [ring]" in r["explain"], r["explain"]
+
+
+def _gathered_product_worker(rank, group, verify=False):
+    """``all_gather(x @ w)``, the plainest form."""
+    x = integer_tensor((8, 16), torch.float32, seed=rank)
+    w = integer_tensor((16, 6), torch.float32, seed=1)
+    expected = all_gather(x @ w, group)
+    with OpCounter() as counter, EagerMicroPipeline(verify=verify) as pipe:
+        got = all_gather(x @ w, group)
+    return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
+
+
+def test_shard_in_one_piece_is_made_first(pool):
+    """The default pieces (Note [Pieces]) send a small shard whole: nothing to
+    overlap, so the product is made first, and the trace says why."""
+    for r in pool.run(_gathered_product_worker, 2):
+        assert r["ok"], r
+        assert r["stats"] == {"unfused_all_gather": 1}, r
+        assert r["matmuls"] == 1, r
+        assert "wait: all_gather_into_tensor made $0 first: f32[8, 6] travels in one piece" in r["trace"], r["trace"]
+
+
+def _consumed_worker(rank, group):
+    """The gathered product feeds another matmul: both halves fuse."""
+    x = integer_tensor((8, 16), torch.float32, seed=rank)
+    w1 = integer_tensor((16, 6), torch.float32, seed=1)
+    w2 = integer_tensor((6, 5), torch.float32, seed=2)
+    expected = all_gather(x @ w1, group) @ w2
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = all_gather(x @ w1, group) @ w2
+    return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gathered_product_feeding_a_matmul(pool, world):
+    for r in pool.run(with_small_pieces, world, _consumed_worker):
+        assert r["ok"], r
+        assert r["stats"] == {"matmul_all_gather": 1, "all_gather_matmul": 1, "fused_matmuls": 1}, r
+        assert r["plain_all_gathers"] == 0, r
+        (line,) = [line for line in r["explain"].splitlines() if line.startswith("all_gather #0")]
+        assert line.endswith("fused with mm -> $0; then the gathered tensor fused with mm -> $2 [ring]"), line
+
+
+def _read_after_worker(rank, group):
+    """The program reads the product itself after gathering it, and writes it:
+    the product is complete, and the write waits for the sends from it."""
+    x = integer_tensor((8, 16), torch.float32, seed=rank)
+    w = integer_tensor((16, 6), torch.float32, seed=1)
+    c = x @ w
+    expected = (all_gather(c, group), c.sum())
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        c = x @ w
+        g = funcol_gather_unwaited(c, group)
+        total = c.sum()
+        c.mul_(0)
+        got = (g.wait() if hasattr(g, "wait") else g, total)
+    return {"ok": all(torch.equal(a, b) for a, b in zip(got, expected)), **_report(pipe, counter)}
+
+
+def funcol_gather_unwaited(t, group):
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_gather_tensor(t, 0, group)
+
+
+def test_product_read_and_overwritten_after_its_gather(pool):
+    for r in pool.run(with_small_pieces, 2, _read_after_worker):
+        assert r["ok"], r
+        _assert_produced(r, pieces=4)
+
+
+def _mixed_worker(rank, group):
+    """Rank 0 reads its product before the gather (made whole, then sent),
+    rank 1 makes it as it sends: the same messages (Invariant 2)."""
+    x = integer_tensor((8, 16), torch.float32, seed=rank)
+    w = integer_tensor((16, 6), torch.float32, seed=1)
+    expected = all_gather(x @ w, group)
+    with EagerMicroPipeline() as pipe:
+        c = x @ w
+        if rank == 0:
+            c.sum()
+        got = all_gather(c, group)
+    return {"ok": torch.equal(got, expected), "stats": dict(pipe.stats)}
+
+
+def test_ranks_making_the_shard_differently_interoperate(pool):
+    r0, r1 = pool.run(with_small_pieces, 2, _mixed_worker, timeout=30)
+    assert r0["ok"] and r1["ok"]
+    assert r0["stats"] == {"unfused_all_gather": 1}
+    assert r1["stats"] == {"matmul_all_gather": 1}
+
+
+def _c10d_worker(rank, group):
+    """Raw c10d (Megatron style): ``dist.all_gather_into_tensor(out, x @ w)``."""
+    world = group.size()
+    x = integer_tensor((8, 16), torch.float32, seed=rank)
+    w = integer_tensor((16, 6), torch.float32, seed=1)
+    expected = torch.empty(8 * world, 6)
+    dist.all_gather_into_tensor(expected, x @ w, group=group)
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = torch.empty(8 * world, 6)
+        dist.all_gather_into_tensor(got, x @ w, group=group)
+    return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_raw_c10d_gather_of_a_product(pool, world):
+    for r in pool.run(with_small_pieces, world, _c10d_worker):
+        assert r["ok"], r
+        _assert_produced(r, pieces=4)
+
+
+def test_verify_covers_it(pool):
+    for r in pool.run(with_small_pieces, 2, _gathered_product_worker, True):
+        assert r["ok"] and r["stats"] == {"matmul_all_gather": 1}, r
+        assert r["plain_all_gathers"] == 1, r  # verify's own: plain eager's gather, to compare with
+        assert r["matmuls"] == 4 + 1, r  # the product in 4 pieces, and verify's whole one
+
+
+def test_symm_mem_makes_the_product_first(pool):
+    """symm_mem sends a shard whole: the product is made first, with the reason."""
+    for r in run_on("symm_mem", pool, _gathered_product_worker, 2):
+        assert r["ok"], r
+        assert r["stats"] == {"unfused_all_gather": 1}, r
+        assert r["matmuls"] == 1, r
+        assert "symm_mem gathers a shard whole" in r["trace"], r["trace"]
+
+
+def _dtensor_worker(rank, group):
+    """DTensor's ``ColwiseParallel(output_layouts=Replicate())`` (HF's
+    colwise_rep): the output's gather is fused forward; backward takes this
+    rank's slice of the gradient (no collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate
+
+    world = group.size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Linear(16, 8 * world, bias=True)
+    with torch.no_grad():  # integer-valued: plain eager and the pieces agree bitwise
+        model.weight.copy_(integer_tensor(model.weight.shape, torch.float32, seed=1))
+        model.bias.copy_(integer_tensor(model.bias.shape, torch.float32, seed=2))
+    ref = nn.Linear(16, 8 * world, bias=True)
+    ref.load_state_dict(model.state_dict())
+    parallelize_module(model, mesh, ColwiseParallel(output_layouts=Replicate()))
+    x = integer_tensor((2, 4, 16), torch.float32, seed=7)
+    expected = ref(x)
+    expected.square().sum().backward()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        y = model(x)
+        y.square().sum().backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    want = {name: p.grad for name, p in ref.named_parameters()}
+    ok = {"out": torch.equal(y, expected), **{k: torch.equal(grads[k], want[k]) for k in want}}
+    return {"ok": all(ok.values()), "which": ok, **_report(pipe, counter)}
+
+
+def test_dtensor_colwise_replicated_output(pool):
+    for r in pool.run(with_small_pieces, 2, _dtensor_worker):
+        assert r["ok"], r
+        assert r["stats"] == {"matmul_all_gather": 1}, r
+        assert r["plain_all_gathers"] == 0, r
