@@ -191,7 +191,7 @@ import torch.distributed as dist
 
 from eagertp._format import dtype_str, tensor_str
 from eagertp.backends.base import GatherHandle
-from eagertp.trace import CollectiveRecord, Lazy, Meta
+from eagertp.trace import CollectiveRecord, Lazy, Meta, Text
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -731,6 +731,9 @@ class PendingGather:
     # [Matmul + all-gather] in eagertp.collectives.all_gather): accounted for
     # where it was issued.
     produced: bool = False
+    # Why the pending product that made its shard ran whole before the gather
+    # started instead (explain() adds it if the gather stays unfused).
+    made_first: Text | None = None
     # Tensors on ``out``'s storage once the gather started (the placeholder
     # and the backend's views of it); None: not counted (Note [This rank's
     # chunk, unread] in eagertp.engine).

@@ -395,11 +395,11 @@ class Engine:
         elif overlapped:
             self.stats["overlapped_all_gather"] += 1
             why = Reason("no matmul consumed it before {}; {} ran while it was in flight", reason, _matmuls(overlapped))
-            self.trace.mark_unfused(gather.record, why, gather.backend)
+            self.trace.mark_unfused(gather.record, _and_made_first(why, gather), gather.backend)
         else:
             self.stats["unfused_all_gather"] += 1
             why = Reason("no matmul consumed it before {}, and none ran while it was in flight", reason)
-            self.trace.mark_unfused(gather.record, why, gather.backend)
+            self.trace.mark_unfused(gather.record, _and_made_first(why, gather), gather.backend)
         self.trace.event(*plan.trace_event(gather.backend))
 
     # -- all-gather --------------------------------------------------------
@@ -440,6 +440,7 @@ class Engine:
             record.backend = gather.backend
             why_not = None if product is None else backend.why_not_produce_all_gather(shard, group)
             if why_not is not None:
+                gather.made_first = Reason("{} made its shard first: {}", product.describe(), why_not)
                 self.complete_owners([shard], "all_gather_into_tensor", f"made ${product.tid} first: {why_not}")
                 gather.work_at_start = self.matmul_work  # NB: it ran before the gather, not behind it
                 product = None
@@ -808,6 +809,12 @@ class _IssuingWork:
             self.below_autograd.__exit__(*exc)
         finally:
             self.engine.issuing = self.was_issuing
+
+
+def _and_made_first(why: Reason, gather: PendingGather) -> Reason:
+    """An unfused gather's reason, with why its product did not make its shard
+    as it was sent, if one could have (Note [Matmul + all-gather])."""
+    return why if gather.made_first is None else Reason("{}; {}", why, gather.made_first)
 
 
 def _matmuls(n: int) -> str:

@@ -83,6 +83,11 @@ def test_shard_in_one_piece_is_made_first(pool):
         assert r["stats"] == {"unfused_all_gather": 1}, r
         assert r["matmuls"] == 1, r
         assert "wait: all_gather_into_tensor made $0 first: f32[8, 6] travels in one piece" in r["trace"], r["trace"]
+        (line,) = r["explain"].splitlines()
+        assert line.endswith(
+            "none ran while it was in flight; mm -> $0 made its shard first: f32[8, 6] travels in one piece "
+            "(Note [Pieces]): nothing to overlap its making with"
+        ), line
 
 
 def _consumed_worker(rank, group):
@@ -188,7 +193,7 @@ def test_symm_mem_makes_the_product_first(pool):
         assert r["ok"], r
         assert r["stats"] == {"unfused_all_gather": 1}, r
         assert r["matmuls"] == 1, r
-        assert "symm_mem gathers a shard whole" in r["trace"], r["trace"]
+        assert "mm -> $0 made its shard first: symm_mem gathers a shard whole" in r["explain"], r["explain"]
 
 
 def _dtensor_worker(rank, group):
