@@ -230,3 +230,39 @@ def test_dtensor_colwise_replicated_output(pool):
         assert r["ok"], r
         assert r["stats"] == {"matmul_all_gather": 1}, r
         assert r["plain_all_gathers"] == 0, r
+
+
+def _product_kinds_worker(rank, group, kind):
+    """The products the other fused forms take, gathered: a sum of matmuls
+    (autograd's accumulated input gradient), the cast of one (mixed
+    precision), an FP8 ``_scaled_mm`` with row-wise scales."""
+    from test_scaled import _col_major, _fp8, _scales
+
+    x1, x2 = (integer_tensor((8, 16), torch.float32, seed=10 * rank + i) for i in range(2))
+    w1, w2 = (integer_tensor((16, 6), torch.float32, seed=i) for i in range(2))
+    # NB: FP8 shapes as _scaled_mm's meta kernel takes them (multiples of 16)
+    a, w = _fp8((8, 16), seed=rank), _col_major(_fp8((16, 16), seed=3))
+    scale_a, scale_b = _scales("rowwise", 8, 16, seed=4 + rank)
+    programs = {
+        "sum": lambda: all_gather(x1 @ w1 + x2 @ w2, group),
+        "cast": lambda: all_gather((x1 @ w1).to(torch.bfloat16), group),
+        "scaled": lambda: all_gather(torch._scaled_mm(a, w, scale_a, scale_b, out_dtype=torch.float32), group),
+    }
+    expected = programs[kind]()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = programs[kind]()
+    return {
+        "ok": torch.equal(got, expected),
+        "scaled_mms": sum(n for op, n in counter.counts.items() if op.startswith("aten._scaled_mm.")),
+        **_report(pipe, counter),
+    }
+
+
+@pytest.mark.parametrize("kind", ["sum", "cast", "scaled"])
+def test_products_of_every_kind(pool, kind):
+    for r in pool.run(with_small_pieces, 2, _product_kinds_worker, kind):
+        assert r["ok"], r
+        # A matmul per piece and term; FP8: 4 pieces and the meta kernel's check of the shapes.
+        matmuls, scaled_mms = {"sum": (8, 0), "cast": (4, 0), "scaled": (0, 5)}[kind]
+        _assert_produced(r, pieces=matmuls)
+        assert r["scaled_mms"] == scaled_mms, r
