@@ -2,7 +2,8 @@
 with and without the mode, must produce the same values.
 
 A program is a list of steps over one activation that is either sharded along
-its rows (sequence parallel) or whole on every rank. Gathers, reduce-scatters,
+its rows (sequence parallel) or whole on every rank. Gathers (of the
+activation, or of a linear's output), reduce-scatters,
 all-reduces (of a linear's output or a sum of two, out of place through funcol
 or in place through raw c10d, or a max of whatever the activation is), linears
 (with and without bias, or over two rows at a time), weight gradients
@@ -16,7 +17,8 @@ both round the same values the same way. A summing all-reduce takes a linear of
 the activation clamped to [-8, 8], so that its sums over at most 4 ranks stay
 integers bf16 holds exactly, in whatever order a backend adds them; a max
 all-reduce is exact in any order. The size rule's threshold is drawn too,
-so fused, deferred-then-plain and never-deferred collectives mix.
+so fused, deferred-then-plain and never-deferred collectives mix, and so is
+whether the ring splits every chunk into pieces.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ SHARD_ROWS = 3
 WORLDS = [2, 3, 4]
 
 # Steps valid on a sharded activation, on a whole one, and on either.
-ON_SHARDED = ["gather", "gather_dim1"]
+ON_SHARDED = ["gather", "gather_dim1", "linear_gather"]
 ON_WHOLE = ["scatter", "scatter_dim1"]
 ANYWHERE = [
     "linear", "linear_bias", "linear_wide", "qkv_sum", "wgrad", "relu", "view", "add_self", "cat_batch", "cat_hidden",
@@ -52,7 +54,7 @@ def programs(draw) -> list[str]:
     return steps
 
 
-def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0):
+def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pieces=False):
     import torch.distributed as dist
     import torch.nn.functional as F
     from helpers import all_gather, all_reduce, integer_tensor, reduce_scatter
@@ -77,6 +79,8 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0):
                 x = all_gather(x.reshape(-1, WIDTH), group).view(x.shape[0], -1, WIDTH)
             elif step == "gather_dim1":  # DTensor-style: the sequence dim of [B, S/W, H]
                 x = all_gather(x, group, 1)
+            elif step == "linear_gather":  # a linear whose output is gathered (Note [Matmul + all-gather])
+                x = all_gather(F.linear(x, weight(i)), group, 1)
             elif step == "scatter":
                 x = reduce_scatter(x.reshape(-1, WIDTH), group).view(x.shape[0], -1, WIDTH)
             elif step == "scatter_dim1":
@@ -126,9 +130,18 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0):
     with precision:
         expected = execute(None)
     pipe = EagerMicroPipeline(poison=True, min_fuse_bytes=min_fuse_bytes)
-    with precision, pipe:
-        got = execute(pipe)
+    if small_pieces:
+        from helpers import with_small_pieces
+
+        got = with_small_pieces(rank, group, lambda *_: _in(precision, pipe, execute))
+    else:
+        got = _in(precision, pipe, execute)
     return {"equal": all(torch.equal(g, e) for g, e in zip(got, expected)), "explain": pipe.explain()}
+
+
+def _in(precision, pipe, execute):
+    with precision, pipe:
+        return execute(pipe)
 
 
 # Per-rank buffers are 192 bytes (float32) or 96 (bf16): the size rule fuses
@@ -140,17 +153,19 @@ MIN_FUSE_BYTES = [0, 100, 200]
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES),
-    world=st.sampled_from(WORLDS),
+    world=st.sampled_from(WORLDS), small_pieces=st.booleans(),
 )
 @pytest.mark.parametrize("backend", BOTH_BACKENDS)
-def test_random_programs_match_plain_eager(pool, backend, steps, autocast, min_fuse_bytes, world):
+def test_random_programs_match_plain_eager(pool, backend, steps, autocast, min_fuse_bytes, world, small_pieces):
     """On the ring, and through torch's own symmetric-memory primitives
-    (tests/symm_mem_emulation.py): its schedule, eagertp's callbacks."""
-    args = (steps, autocast, min_fuse_bytes)
+    (tests/symm_mem_emulation.py): its schedule, eagertp's callbacks. Half the
+    programs split every chunk into pieces (helpers.with_small_pieces): the
+    ring's piecewise pipelines, and the gathers of products made as sent."""
+    args = (steps, autocast, min_fuse_bytes, small_pieces)
     for rank, r in enumerate(run_on(backend, pool, _run_program, world, *args, timeout=30)):
         assert r["equal"], (
             f"rank {rank} of {world} differs from plain eager for {steps} on {backend} (autocast={autocast}, "
-            f"min_fuse_bytes={min_fuse_bytes}):\n{r['explain']}"
+            f"min_fuse_bytes={min_fuse_bytes}, small_pieces={small_pieces}):\n{r['explain']}"
         )
         if backend == "symm_mem":
             assert "[ring" not in r["explain"], "symm_mem served every fused collective"
