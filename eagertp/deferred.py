@@ -742,6 +742,12 @@ class PendingGather:
     def __post_init__(self) -> None:
         self.views.append(GatheredView(self.out, 0, self.group.size(), self.tid))
 
+    def shard_in_out(self) -> bool:
+        """True if the shard is rows of ``out`` itself (an all-reduce's gather
+        half, a product made in this rank's chunk), not a tensor of the
+        program's: nothing can write it before the gather completes."""
+        return storage_key(self.shard) == storage_key(self.out)
+
     def view_of(self, t: torch.Tensor) -> GatheredView | None:
         key = storage_key(t)
         return next((v for v in self.views if storage_key(v.tensor) == key), None)
@@ -814,7 +820,7 @@ class PendingStore:
     def add_gather(self, gather: PendingGather) -> None:
         self.items.append(gather)
         self._owner[storage_key(gather.out)] = gather
-        if not gather.half_of_all_reduce:  # whose shard is its own placeholder's rows
+        if not gather.shard_in_out():
             self.sending.setdefault(storage_key(gather.shard), []).append(gather)
 
     def add_gathered_view(self, gather: PendingGather, view: GatheredView) -> None:
@@ -847,7 +853,7 @@ class PendingStore:
         self.items.remove(item)
         for t in _placeholders(item):
             del self._owner[storage_key(t)]
-        if isinstance(item, PendingGather) and not item.half_of_all_reduce:
+        if isinstance(item, PendingGather) and not item.shard_in_out():
             self.stop_sending(item)
         inputs = self._inputs
         for t in item.inputs():

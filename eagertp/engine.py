@@ -460,21 +460,24 @@ class Engine:
 
     def _produce_gather(self, gather: PendingGather, product: Product, backend: Backend) -> None:
         """Start ``gather`` with its shard made by ``product`` as it is sent
-        (Note [Matmul + all-gather] in eagertp.collectives.all_gather): the
-        product completes here, and the gather is accounted for as fused."""
+        (Note [Matmul + all-gather] in eagertp.collectives.all_gather), and
+        account for it as fused."""
         self.complete_past("all_gather_into_tensor", product.tid - 1)
-        self.store.remove(product)
+        # NB: made straight into this rank's chunk of the result and sent from
+        # there: no copy. The product's own output stays pending, computed only
+        # if something reads it (as after a fused reduce-scatter).
+        gather.shard = gather.out.view(gather.group.size(), *gather.shard.shape)[gather.group.rank()]
+        product.absorbed = True
         self.count_matmul_work()
         with profiler_range("eagertp::matmul_all_gather"):
             gather.handle = backend.produce_all_gather(
                 shard_producer(product, gather.shard), gather.shard, gather.out, gather.group
             )
-        for sv in product.scatter_views:
-            sv.fill(product.out)
         if self.verify:
             want = torch.empty_like(product.out)
             product.compute_all(want)
-            check_equal(f"{product.describe()} before all_gather", product.out, want, gather.group, exact=False)
+            got = gather.shard.view(want.shape)
+            check_equal(f"{product.describe()} before all_gather", got, want, gather.group, exact=False)
         gather.produced = True
         self.stats["matmul_all_gather"] += 1
         self.trace.mark_fused(gather.record, [product.describe()], gather.backend)

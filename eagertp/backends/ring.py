@@ -208,7 +208,9 @@ class _P2PGather:
 
     def _fill_own(self) -> None:
         if self._shard is not None:
-            self._chunks[self._rank].copy_(self._shard)
+            own = self._chunks[self._rank]
+            if self._shard.data_ptr() != own.data_ptr():  # NB: a produced shard is made there
+                own.copy_(self._shard)
             self._shard = None
 
     def release_shard(self) -> None:
@@ -301,7 +303,8 @@ class _ThreadedRing:
             for r in rows:
                 producer(shard[r], r)
                 self._shard_sends.append(self._links.isend(shard[r]))
-        chunks[rank].copy_(shard)  # while the shard is on its way
+        if shard.data_ptr() != chunks[rank].data_ptr():  # NB: a produced shard is made there
+            chunks[rank].copy_(shard)  # while the shard is on its way
         self._sends: list[dist.Work] = []  # the forwards, appended by whichever thread drives the ring
         self._helper_done = threading.Event()
         _thread.start_new_thread(self._helper, ())  # NB: as _Receives.watch: no wait for it to run

@@ -42,8 +42,10 @@ def _all_gather(engine: Engine, func, args, kwargs):
 #
 # into one backend call at the program point (``Backend.produce_all_gather``):
 # the pieces the shard travels in (Note [Pieces] in eagertp.backends.ring)
-# are C's rows, each made (``C[rows] = A[rows] @ B``, into C itself) and sent
-# at once while the next is made. On 2 ranks, rank 0, C in 2 pieces::
+# are C's rows, each made (``A[rows] @ B``) straight into this rank's chunk of
+# G and sent from there at once while the next is made: no copy. C's own
+# placeholder stays pending, computed only if the program reads it (as after
+# a fused reduce-scatter). On 2 ranks, rank 0, C in 2 pieces::
 #
 #     program: C = A @ B   all_gather(C) ............................ read(G)
 #     compute:             [ C[0] ][ C[1] ]   (other work)
@@ -51,9 +53,9 @@ def _all_gather(engine: Engine, func, args, kwargs):
 #                          [ <- peer's C[0] ][ <- peer's C[1] ]
 #
 # The messages are the gather's own (the same pieces of the same shard), so
-# a peer that made C first, or read it, interoperates (Invariant 2). C is
-# complete when the call returns; the gather stays in flight like any other
-# and matmuls on G still bind to it. Where nothing can overlap (one piece,
+# a peer that made C first, or read it, interoperates (Invariant 2). This
+# rank's chunk of G is complete when the call returns; the gather stays in
+# flight like any other and matmuls on G still bind to it. Where nothing can overlap (one piece,
 # a backend that sends a shard whole: symm_mem, reference), C is made first,
 # with the reason in the trace; the gather's record then says what became of it.
 
