@@ -10,8 +10,8 @@ gradients, MoE experts, products all-gathered along the last dim
 (``_OTHER_PLANS``). One forward + backward under ``EagerMicroPipeline`` must
 equal plain eager (logits, loss, every gradient), every all-reduce of a matmul
 output must be fused, and every other collective unfused with its reason;
-Phi-3 run again with every shard in pieces must also make each of its
-products all-gathered as it sends it (Note [Matmul + all-gather]).
+Llama and Phi-3 run again with every shard in pieces must also make each
+of their products all-gathered as they send it (Note [Matmul + all-gather]).
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
@@ -35,7 +35,7 @@ from eagertp import EagerMicroPipeline
 
 # Families also run with every shard in pieces (Note [Pieces]): their gathers
 # of matmul outputs then make the product as they send it.
-_IN_PIECES = ("phi3",)
+_IN_PIECES = ("llama", "phi3")
 
 # family -> its config beyond the shared tiny shape (4 heads and 4 KV heads:
 # split over the pool's 4 ranks). What each plan adds: _OTHER_PLANS.
@@ -257,13 +257,26 @@ def test_hf_transformers_tp_plans_of_other_families(hf_reports, family):
             assert sum(text in line for line in unfused) == n, (text, r["explain"])
 
 
-def test_hf_gathers_of_matmul_outputs_made_as_they_are_sent(hf_reports):
-    """Phi-3's "colwise_gather_output" plan, every shard in pieces: its 9
-    gathers of matmul outputs make each product as they send it."""
-    results = hf_reports["phi3 in pieces"]
-    _check_common(results, "phi3")
+# family -> (its stats with every shard in pieces, its gathers of matmul outputs)
+_GATHERS_IN_PIECES = {
+    # Llama's "colwise_rep" lm_head: the logits gathered along the vocabulary.
+    "llama": ({"matmul_all_gather": 1, "matmul_all_reduce": 15, "unfused_all_reduce": 1}, 1),
+    # Phi-3's "colwise_gather_output": qkv and gate_up products forward, the
+    # "rowwise_split_input" gradients backward, and lm_head's logits.
+    "phi3": ({"matmul_all_gather": 9, "matmul_all_reduce": 9, "unfused_all_reduce": 1}, 9),
+}
+
+
+@pytest.mark.parametrize("family", _IN_PIECES)
+def test_hf_gathers_of_matmul_outputs_made_as_they_are_sent(hf_reports, family):
+    """Every shard in pieces: each gather of a matmul output in the family's
+    own plan makes the product as it sends it, and every gradient still
+    equals plain eager."""
+    stats, gathers = _GATHERS_IN_PIECES[family]
+    results = hf_reports[f"{family} in pieces"]
+    _check_common(results, family)
     for r in results:
-        assert r["stats"] == {"matmul_all_gather": 9, "matmul_all_reduce": 9, "unfused_all_reduce": 1}, r
-        gathers = [line for line in r["explain"].splitlines() if line.startswith("all_gather")]
-        assert len(gathers) == 9 and all(": fused with mm -> $" in line for line in gathers), r["explain"]
-        assert r["eager_collectives"] == {"all_reduce": 10, "all_gather_into_tensor": 9}, r
+        assert r["stats"] == stats, r
+        lines = [line for line in r["explain"].splitlines() if line.startswith("all_gather")]
+        assert len(lines) == gathers and all(": fused with mm -> $" in line for line in lines), r["explain"]
+        assert r["eager_collectives"]["all_gather_into_tensor"] == gathers, r
