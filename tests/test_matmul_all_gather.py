@@ -273,3 +273,31 @@ def test_products_of_every_kind(pool, kind):
         matmuls, scaled_mms = {"sum": (8, 0), "cast": (4, 0), "scaled": (0, 5)}[kind]
         _assert_produced(r, pieces=matmuls)
         assert r["scaled_mms"] == scaled_mms, r
+
+
+def _whole_shard_backends_worker(rank, group):
+    """The backends that send a shard whole still implement the contract:
+    the shard made, then gathered."""
+    from eagertp.backends.reference import ReferenceBackend
+    from eagertp.backends.ring import RingBackend
+
+    shard = torch.empty(4, 8)
+    want = torch.cat([integer_tensor((4, 8), torch.float32, seed=r) for r in range(group.size())])
+    results = {}
+    for backend in (ReferenceBackend(), RingBackend()):
+        made = []
+
+        def producer(piece, rows):
+            made.append(rows)
+            piece.copy_(integer_tensor((4, 8), torch.float32, seed=rank)[rows])
+
+        out = torch.empty(4 * group.size(), 8)
+        backend.produce_all_gather(producer, shard, out, group).consume(None)
+        results[backend.name] = (torch.equal(out, want), len(made), backend.why_not_produce_all_gather(shard, group))
+    return results
+
+
+def test_backends_that_send_a_shard_whole_make_it_first(pool):
+    for r in pool.run(with_small_pieces, 2, _whole_shard_backends_worker):
+        assert r["reference"] == (True, 1, "the reference backend gathers a shard whole, as plain eager does"), r
+        assert r["ring"] == (True, 4, None), r  # in pieces (helpers.with_small_pieces)

@@ -55,9 +55,10 @@ def _all_gather(engine: Engine, func, args, kwargs):
 # The messages are the gather's own (the same pieces of the same shard), so
 # a peer that made C first, or read it, interoperates (Invariant 2). This
 # rank's chunk of G is complete when the call returns; the gather stays in
-# flight like any other and matmuls on G still bind to it. Where nothing can overlap (one piece,
-# a backend that sends a shard whole: symm_mem, reference), C is made first,
-# with the reason in the trace; the gather's record then says what became of it.
+# flight like any other and matmuls on G still bind to it. Where nothing can
+# overlap (one piece, a backend that sends a shard whole: symm_mem,
+# reference), C is made first, and explain() adds why to the gather's line
+# if nothing fused with it.
 
 
 @register([_c10d_functional.wait_tensor.default])
