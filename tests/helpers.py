@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+FP8 = torch.float8_e4m3fn
 
 
 def integer_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -20,6 +21,26 @@ def integer_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     runs a worker on a GPU: tests/test_cuda.py)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(-3, 4, shape, generator=g, device="cpu").to(torch.get_default_device(), dtype)
+
+
+def fp8_tensor(shape, seed: int) -> torch.Tensor:
+    """Integer values in FP8 (exact: |v| <= 448 and few bits)."""
+    return integer_tensor(shape, torch.float32, seed=seed).to(FP8)
+
+
+def col_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()  # _scaled_mm wants B column-major
+
+
+def fp8_scales(kind: str, m: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_scaled_mm``'s scales: tensor-wise, or row-wise (scale_a per row of A
+    [M, 1], scale_b per column of B [1, N]), powers of two so products stay exact."""
+    if kind == "tensorwise":
+        return torch.tensor(1.0), torch.tensor(2.0)
+    g = torch.Generator().manual_seed(seed)
+    scale_a = 2.0 ** torch.randint(-1, 2, (m, 1), generator=g, device="cpu").float()
+    scale_b = 2.0 ** torch.randint(-1, 2, (1, n), generator=g, device="cpu").float()
+    return scale_a.to(torch.get_default_device()), scale_b.to(torch.get_default_device())
 
 
 def random_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -352,12 +352,12 @@ def _scaled_mm_worker(rank, group, scales, out_dtype_name):
     Integers in [-1, 1], exact in float8_e4m3fn; shapes multiples of 16 (see
     tests/test_scaled.py). |values| <= 16 * 4 (scales) per rank, <= 256
     summed over 4 ranks: exact in bf16 too."""
-    from test_scaled import FP8, _col_major, _scales
+    from helpers import FP8, col_major, fp8_scales
 
     out_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[out_dtype_name]
     a = integer_tensor((32, 16), torch.float32, seed=rank).clamp(-1, 1).to(FP8)
-    w = _col_major(integer_tensor((16, 16), torch.float32, seed=80 + rank).clamp(-1, 1).to(FP8))
-    scale_a, scale_b = _scales(scales, 32, 16, seed=90 + rank)
+    w = col_major(integer_tensor((16, 16), torch.float32, seed=80 + rank).clamp(-1, 1).to(FP8))
+    scale_a, scale_b = fp8_scales(scales, 32, 16, seed=90 + rank)
 
     def program():
         return all_reduce(torch._scaled_mm(a, w, scale_a, scale_b, out_dtype=out_dtype), group)

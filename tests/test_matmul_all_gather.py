@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import OpCounter, all_gather, fusion_report, integer_tensor, with_small_pieces
+from helpers import (
+    OpCounter, all_gather, col_major, fp8_scales, fp8_tensor, fusion_report, integer_tensor, with_small_pieces,
+)
 from symm_mem_emulation import run_on
 
 from eagertp import EagerMicroPipeline
@@ -243,13 +245,11 @@ def _product_kinds_worker(rank, group, kind):
     """The products the other fused forms take, gathered: a sum of matmuls
     (autograd's accumulated input gradient), the cast of one (mixed
     precision), an FP8 ``_scaled_mm`` with row-wise scales."""
-    from test_scaled import _col_major, _fp8, _scales
-
     x1, x2 = (integer_tensor((8, 16), torch.float32, seed=10 * rank + i) for i in range(2))
     w1, w2 = (integer_tensor((16, 6), torch.float32, seed=i) for i in range(2))
     # NB: FP8 shapes as _scaled_mm's meta kernel takes them (multiples of 16)
-    a, w = _fp8((8, 16), seed=rank), _col_major(_fp8((16, 16), seed=3))
-    scale_a, scale_b = _scales("rowwise", 8, 16, seed=4 + rank)
+    a, w = fp8_tensor((8, 16), seed=rank), col_major(fp8_tensor((16, 16), seed=3))
+    scale_a, scale_b = fp8_scales("rowwise", 8, 16, seed=4 + rank)
     programs = {
         "sum": lambda: all_gather(x1 @ w1 + x2 @ w2, group),
         "cast": lambda: all_gather((x1 @ w1).to(torch.bfloat16), group),

@@ -8,40 +8,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ROWWISE_SCALES, OpCounter, all_gather, fusion_report, integer_tensor, reduce_scatter
+from helpers import (
+    FP8, ROWWISE_SCALES, OpCounter, all_gather, col_major, fp8_scales, fp8_tensor, fusion_report, integer_tensor,
+    reduce_scatter,
+)
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 from expecttest import assert_expected_inline
 
 from eagertp import EagerMicroPipeline
 
-FP8 = torch.float8_e4m3fn
 WORLDS = [2, 4]
-
-
-def _fp8(shape, seed):
-    return integer_tensor(shape, torch.float32, seed=seed).to(FP8)
-
-
-def _col_major(t):
-    return t.t().contiguous().t()  # _scaled_mm wants B column-major
-
-
-def _scales(kind, m, n, seed):
-    if kind == "tensorwise":
-        return torch.tensor(1.0), torch.tensor(2.0)
-    g = torch.Generator().manual_seed(seed)
-    # row-wise: scale_a per row of A [M, 1], scale_b per column of B [1, N] (powers of two: exact)
-    scale_a = 2.0 ** torch.randint(-1, 2, (m, 1), generator=g, device="cpu").float()
-    scale_b = 2.0 ** torch.randint(-1, 2, (1, n), generator=g, device="cpu").float()
-    return scale_a.to(torch.get_default_device()), scale_b.to(torch.get_default_device())
 
 
 def _gather_scaled_worker(rank, group, scales, out_dtype_name, bias):
     world = group.size()
     out_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[out_dtype_name]
-    x = _fp8((16, 32), seed=rank)  # [M/W, K] shard
-    w = _col_major(_fp8((32, 16), seed=50))
-    scale_a, scale_b = _scales(scales, 16 * world, 16, seed=60)
+    x = fp8_tensor((16, 32), seed=rank)  # [M/W, K] shard
+    w = col_major(fp8_tensor((32, 16), seed=50))
+    scale_a, scale_b = fp8_scales(scales, 16 * world, 16, seed=60)
     b = integer_tensor((16,), out_dtype, seed=70) if bias else None
 
     def program():
@@ -80,9 +64,9 @@ all_gather_matmul($0 -> $1) [ring]""")
 
 def _scaled_reduce_scatter_worker(rank, group, scales, scatter_dim):
     m, k, n = 32, 32, 32
-    a = _fp8((m, k), seed=rank)
-    w = _col_major(_fp8((k, n), seed=80 + rank))
-    scale_a, scale_b = _scales(scales, m, n, seed=90 + rank)
+    a = fp8_tensor((m, k), seed=rank)
+    w = col_major(fp8_tensor((k, n), seed=80 + rank))
+    scale_a, scale_b = fp8_scales(scales, m, n, seed=90 + rank)
 
     def program():
         y = torch._scaled_mm(a, w, scale_a, scale_b, out_dtype=torch.float32)
@@ -110,8 +94,8 @@ def _scaled_contraction_worker(rank, group):
     """FP8 contracting over the gathered rows needs the gathered tensor
     transposed into a row-major copy (_scaled_mm wants A row-major): the copy
     reads it, so the gather is issued alone, with that reason."""
-    x = _fp8((16, 16), seed=rank).view(torch.uint8)
-    h = _col_major(_fp8((16 * group.size(), 16), seed=5))
+    x = fp8_tensor((16, 16), seed=rank).view(torch.uint8)
+    h = col_major(fp8_tensor((16 * group.size(), 16), seed=5))
     one = torch.tensor(1.0)
 
     def program():
@@ -135,8 +119,8 @@ def test_scaled_contraction_over_a_copy_of_the_gather_is_unfused_with_reason(poo
 def _small_fp8_worker(rank, group):
     """FP8 shapes the meta kernel rejects (not multiples of 16) run as plain
     eager would: unfused, with that reason."""
-    x = _fp8((4, 16), seed=rank).view(torch.uint8)
-    w = _col_major(_fp8((16, 8), seed=1))
+    x = fp8_tensor((4, 16), seed=rank).view(torch.uint8)
+    w = col_major(fp8_tensor((16, 8), seed=1))
     one = torch.tensor(1.0)
 
     def program():

@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OpCounter, _cpu_scaled_mm_takes_rowwise_scales, all_gather, fusion_report, integer_tensor
+from helpers import (
+    FP8, OpCounter, _cpu_scaled_mm_takes_rowwise_scales, all_gather, col_major, fusion_report, integer_tensor,
+)
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 from expecttest import assert_expected_inline
 
 from eagertp import EagerMicroPipeline
 
-FP8 = torch.float8_e4m3fn
 WORLDS = [2, 4]
 pytestmark = pytest.mark.skipif(
     not _cpu_scaled_mm_takes_rowwise_scales(), reason="this torch's CPU _scaled_mm takes tensor-wise scales only"
 )
-
-
-def _col_major(t):
-    return t.t().contiguous().t()  # _scaled_mm wants B column-major
 
 
 def _quantized_shard(rank, rows, k=32):
@@ -50,7 +47,7 @@ def _gather_both(data, scale, group, scale_first):
 def _rowwise_worker(rank, group, scale_first, consumers, bias, out_dtype_name, fast_accum):
     out_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[out_dtype_name]
     data, scale = _quantized_shard(rank, 16)
-    ws = [_col_major(integer_tensor((32, 16), torch.float32, seed=50 + i).to(FP8)) for i in range(consumers)]
+    ws = [col_major(integer_tensor((32, 16), torch.float32, seed=50 + i).to(FP8)) for i in range(consumers)]
     g = torch.Generator().manual_seed(60)
     scale_b = (2.0 ** torch.randint(-1, 2, (1, 16), generator=g).float()).to(torch.get_default_device())
     b = integer_tensor((16,), out_dtype, seed=70) if bias else None
@@ -142,7 +139,7 @@ def _dim1_worker(rank, group, verify=False):
     data = integer_tensor((2, 8, 32), torch.float32, seed=rank).to(FP8)
     g = torch.Generator().manual_seed(100 + rank)
     scale = 2.0 ** torch.randint(-1, 2, (2, 8, 1), generator=g).float()
-    w = _col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
+    w = col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
     one = torch.ones(1, 16)
 
     def program():
@@ -175,7 +172,7 @@ def _scale_read_first_worker(rank, group):
     scale's gather completes then, as any read completes it; the matmul still
     fuses with the data's gather, its scale now a whole tensor."""
     data, scale = _quantized_shard(rank, 16)
-    w = _col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
+    w = col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
     one = torch.ones(1, 16)
 
     def program():
@@ -204,7 +201,7 @@ def _scale_read_after_worker(rank, group):
     """The gathered scale read after the matmul bound it, before anything reads
     the product: the scale completes then, still the fused call's scale."""
     data, scale = _quantized_shard(rank, 16)
-    w = _col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
+    w = col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
     one = torch.ones(1, 16)
 
     def program():
@@ -232,7 +229,7 @@ def _mismatched_rows_worker(rank, group):
     the scale along dim 1 and viewed as a column, so rank i's scales land on
     interleaved rows. Not fused, and explain() says why."""
     data, scale = _quantized_shard(rank, 16)
-    w = _col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
+    w = col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
     one = torch.ones(1, 16)
 
     def program():
@@ -260,7 +257,7 @@ def _size_rule_worker(rank, group):
     """Under the default size rule the scale's tiny gather is issued as written
     (a plain all-gather); the data's gather still fuses, its scale whole."""
     data, scale = _quantized_shard(rank, 16)
-    w = _col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
+    w = col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
     one = torch.ones(1, 16)
 
     def program():
@@ -313,7 +310,7 @@ def _order_worker(rank, group, scale_first):
             return handle
 
     data, scale = _quantized_shard(rank, 16)
-    w = _col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
+    w = col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
     one = torch.ones(1, 16)
 
     def program():
@@ -353,7 +350,7 @@ def _landed_worker(rank, group):
     from eagertp import patterns
 
     data, scale = _quantized_shard(rank, 16)
-    w = _col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
+    w = col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
     one = torch.ones(1, 16)
     a2, b2 = integer_tensor((32, 32), torch.float32, seed=7), integer_tensor((32, 32), torch.float32, seed=8)
 
