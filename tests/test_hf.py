@@ -10,8 +10,8 @@ gradients, MoE experts, products all-gathered along the last dim
 (``_OTHER_PLANS``). One forward + backward under ``EagerMicroPipeline`` must
 equal plain eager (logits, loss, every gradient), every all-reduce of a matmul
 output must be fused, and every other collective unfused with its reason;
-Llama and Phi-3 run again with every shard in pieces must also make each
-of their products all-gathered as they send it (Note [Matmul + all-gather]).
+every family run again with every shard in pieces must also make each of
+its products all-gathered as it sends it (Note [Matmul + all-gather]).
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
@@ -34,8 +34,9 @@ from multirank import WORLD
 from eagertp import EagerMicroPipeline
 
 # Families also run with every shard in pieces (Note [Pieces]): their gathers
-# of matmul outputs then make the product as they send it.
-_IN_PIECES = ("llama", "phi3")
+# of matmul outputs then make the product as they send it, and every
+# all-reduce runs its piecewise pipeline.
+_IN_PIECES = ("llama", "qwen3", "mixtral", "phi3")
 
 # family -> its config beyond the shared tiny shape (4 heads and 4 KV heads:
 # split over the pool's 4 ranks). What each plan adds: _OTHER_PLANS.
@@ -259,8 +260,11 @@ def test_hf_transformers_tp_plans_of_other_families(hf_reports, family):
 
 # family -> (its stats with every shard in pieces, its gathers of matmul outputs)
 _GATHERS_IN_PIECES = {
-    # Llama's "colwise_rep" lm_head: the logits gathered along the vocabulary.
+    # Llama's "colwise_rep" lm_head: the logits gathered along the vocabulary
+    # (Qwen3 and Mixtral too, their all-reduces in pieces as well).
     "llama": ({"matmul_all_gather": 1, "matmul_all_reduce": 15, "unfused_all_reduce": 1}, 1),
+    "qwen3": ({"matmul_all_gather": 1, "matmul_all_reduce": 15, "unfused_all_reduce": 5}, 1),
+    "mixtral": ({"matmul_all_gather": 1, "matmul_all_reduce": 9, "unfused_all_reduce": 7}, 1),
     # Phi-3's "colwise_gather_output": qkv and gate_up products forward, the
     # "rowwise_split_input" gradients backward, and lm_head's logits.
     "phi3": ({"matmul_all_gather": 9, "matmul_all_reduce": 9, "unfused_all_reduce": 1}, 9),
@@ -280,3 +284,4 @@ def test_hf_gathers_of_matmul_outputs_made_as_they_are_sent(hf_reports, family):
         lines = [line for line in r["explain"].splitlines() if line.startswith("all_gather")]
         assert len(lines) == gathers and all(": fused with mm -> $" in line for line in lines), r["explain"]
         assert r["eager_collectives"]["all_gather_into_tensor"] == gathers, r
+
