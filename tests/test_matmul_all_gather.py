@@ -205,10 +205,11 @@ def test_symm_mem_makes_the_product_first(pool):
         assert "mm -> $0 made its shard first: symm_mem gathers a shard whole" in r["explain"], r["explain"]
 
 
-def _dtensor_worker(rank, group):
+def _dtensor_worker(rank, group, checkpointed=None):
     """DTensor's ``ColwiseParallel(output_layouts=Replicate())`` (HF's
     colwise_rep): the output's gather is fused forward; backward takes this
-    rank's slice of the gradient (no collective)."""
+    rank's slice of the output's gradient (no collective) and all-reduces
+    the input's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     from torch.distributed.tensor import Replicate
@@ -222,11 +223,18 @@ def _dtensor_worker(rank, group):
     ref = nn.Linear(16, 8 * world, bias=True)
     ref.load_state_dict(model.state_dict())
     parallelize_module(model, mesh, ColwiseParallel(output_layouts=Replicate()))
-    x = integer_tensor((2, 4, 16), torch.float32, seed=7)
+    x = integer_tensor((2, 4, 16), torch.float32, seed=7).requires_grad_()  # NB: reentrant checkpointing needs one
     expected = ref(x)
     expected.square().sum().backward()
+    if checkpointed:  # as activation checkpointing wraps a TP block
+        from torch.utils.checkpoint import checkpoint
+
+        def run(t):
+            return checkpoint(model, t, use_reentrant=checkpointed == "reentrant")
+    else:
+        run = model
     with OpCounter() as counter, EagerMicroPipeline() as pipe:
-        y = model(x)
+        y = run(x)
         y.square().sum().backward()
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     want = {name: p.grad for name, p in ref.named_parameters()}
@@ -234,10 +242,18 @@ def _dtensor_worker(rank, group):
     return {"ok": all(ok.values()), "which": ok, **_report(pipe, counter)}
 
 
-def test_dtensor_colwise_replicated_output(pool):
-    for r in pool.run(with_small_pieces, 2, _dtensor_worker):
+# checkpointing -> the gathers made as sent: reentrant checkpointing reruns
+# the whole block in backward, gather included; the non-reentrant form stops
+# once the linear's saved inputs are back (torch's early stop), before it.
+_CHECKPOINTED = {None: 1, "reentrant": 2, "nonreentrant": 1}
+
+
+@pytest.mark.parametrize("checkpointed", list(_CHECKPOINTED), ids=["plain", "reentrant", "nonreentrant"])
+def test_dtensor_colwise_replicated_output(pool, checkpointed):
+    for r in pool.run(with_small_pieces, 2, _dtensor_worker, checkpointed):
         assert r["ok"], r
-        assert r["stats"] == {"matmul_all_gather": 1}, r
+        # Backward: the input gradient's all-reduce (Partial -> Replicate), fused too.
+        assert r["stats"] == {"matmul_all_gather": _CHECKPOINTED[checkpointed], "matmul_all_reduce": 1}, r
         assert r["plain_all_gathers"] == 0, r
 
 
