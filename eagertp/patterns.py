@@ -17,9 +17,7 @@ import torch.distributed as dist
 
 from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
-from eagertp.backends.base import (
-    ALL_ROWS, ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer, ShardProducer, chunk_rows,
-)
+from eagertp.backends.base import ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer, ShardProducer, chunk_rows
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import (
     GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView, all_rows,
@@ -411,10 +409,7 @@ def shard_producer(product: Product, shard: torch.Tensor) -> ShardProducer:
     per_row = shard[0].numel() // n  # product rows per row of shard
 
     def produce(piece: torch.Tensor, rows: slice) -> None:
-        if rows == ALL_ROWS:
-            product.compute_all(piece.view(-1, n))
-            return
-        start, stop, _ = rows.indices(shard.shape[0])
+        start, stop, _ = rows.indices(shard.shape[0])  # ALL_ROWS too: every row
         product.compute_rows(lambda t: t[start * per_row : stop * per_row], piece.view(-1, n))
 
     return produce
