@@ -190,7 +190,7 @@ import torch
 import torch.distributed as dist
 
 from eagertp._format import dtype_str, tensor_str
-from eagertp.backends.base import GatherHandle
+from eagertp.backends.base import GatherHandle, piece_dim
 from eagertp.trace import CollectiveRecord, Lazy, Meta, Text
 
 
@@ -236,9 +236,20 @@ class GatheredView:
         return self.tensor.shape[self.dim] // self.world
 
     @property
+    def shard_shape(self) -> list[int]:
+        shape = list(self.tensor.shape)
+        shape[self.dim] //= self.world
+        return shape
+
+    @property
+    def piece_dim(self) -> int:
+        """The dim of one rank's shard (and of this view) that pieces split."""
+        return piece_dim(self.shard_shape)
+
+    @property
     def shard_rows(self) -> int:
-        """Size of dim 0 of one rank's shard (the dim backends split it along)."""
-        return self.tensor.shape[0] // self.world if self.dim == 0 else self.tensor.shape[0]
+        """The rows of one rank's shard, along ``piece_dim`` (the pieces' ``rows``)."""
+        return self.shard_shape[self.piece_dim]
 
     def observed(self) -> bool:
         """False if nothing but this view can reach its placeholder (the
@@ -254,9 +265,13 @@ class GatheredView:
 
     def piece_of(self, src: int, rows: slice) -> torch.Tensor:
         """Where rows ``rows`` of rank ``src``'s shard sit in this view."""
-        if self.dim == 0:
-            return self.tensor.view(self.world, self.shard_rows, *self.tensor.shape[1:])[src][rows]
-        return self.tensor.narrow(self.dim, src * self.block, self.block)[rows]
+        return self.block_of(self.tensor, src, rows)
+
+    def block_of(self, t: torch.Tensor, src: int, rows: slice | None = None) -> torch.Tensor:
+        """Rank ``src``'s block of ``t`` (shaped as this view but for its last
+        dim), or the rows ``rows`` of it: a view."""
+        block = t.narrow(self.dim, src * self.block, self.block)
+        return block if rows is None else block.narrow(self.piece_dim, rows.start, rows.stop - rows.start)
 
     def data(self, piece: torch.Tensor, src: int, rows: slice) -> torch.Tensor:
         """This view's data for a piece a backend delivered (after ``fill``)."""
@@ -278,10 +293,7 @@ class GatheredView:
     def runs_of(self, t: torch.Tensor, src: int, rows: slice | None = None) -> torch.Tensor:
         """``rows_of`` as runs of contiguous rows, a view ``[runs, rows per run,
         X]``: along dim d > 0 one run per index of the dims before d."""
-        lead = self.tensor.shape[:-1]
-        block = t.reshape(*lead, t.shape[-1]).narrow(self.dim, src * self.block, self.block)
-        if rows is not None:
-            block = block[rows]
+        block = self.block_of(t.reshape(*self.tensor.shape[:-1], t.shape[-1]), src, rows)
         return block.reshape(math.prod(block.shape[: self.dim]), -1, t.shape[-1])
 
     def aligned(self, t: torch.Tensor) -> bool:

@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
-from eagertp.backends.base import ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer, ShardProducer, chunk_rows
+from eagertp.backends.base import (
+    ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer, ShardProducer, chunk_rows, piece_dim, whole_rows,
+)
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import (
     GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView, all_rows,
@@ -182,7 +184,7 @@ class AllGatherMatmulPlan:
         if scale is None or not any(scale is s for s in self.scales):
             return None
         per_rank = scale.out.view(scale.group.size(), -1)  # [W, rows of one data shard]
-        per_shard_row = math.prod(self.gather.shard.shape[1:-1])  # rows of A per row of the data shard
+        per_shard_row = _rows_per_piece_row(self.gather.shard, self.gather.shard.shape[-1])  # rows of A per shard row
 
         def scale_rows(src: int, rows: slice) -> torch.Tensor:
             return per_rank[src, rows.start * per_shard_row : rows.stop * per_shard_row].view(-1, 1)
@@ -396,7 +398,7 @@ def gathered_product(found: tuple[Product, ScatterView | None] | None, shard: to
     if found is None or found[1] is not None:
         return None
     product = found[0]
-    if shard.dim() < 2 or shard[0].numel() % product.out.shape[1]:
+    if shard.dim() < 2 or _rows_per_piece_row(shard, product.out.shape[1]) is None:
         return None
     return product
 
@@ -406,13 +408,21 @@ def shard_producer(product: Product, shard: torch.Tensor) -> ShardProducer:
     ``product`` in a row-major view: the product's rows they hold, written in
     place (``gathered_product`` checked that they are whole rows)."""
     n = product.out.shape[1]
-    per_row = shard[0].numel() // n  # product rows per row of shard
+    per_row = _rows_per_piece_row(shard, n)  # product rows per row of shard
+    assert per_row is not None, "gathered_product checked that a shard row holds whole product rows"
 
     def produce(piece: torch.Tensor, rows: slice) -> None:
-        start, stop, _ = rows.indices(shard.shape[0])  # ALL_ROWS too: every row
+        start, stop, _ = rows.indices(whole_rows(shard).stop)  # ALL_ROWS too: every row
         product.compute_rows(lambda t: t[start * per_row : stop * per_row], piece.view(-1, n))
 
     return produce
+
+
+def _rows_per_piece_row(shard: torch.Tensor, width: int) -> int | None:
+    """How many rows ``width`` wide one row of ``shard`` (along its
+    ``piece_dim``) holds, if whole rows."""
+    per_row, odd = divmod(math.prod(shard.shape[piece_dim(shard.shape) + 1 :]), width)
+    return None if odd else per_row
 
 
 def gather_signature(shard: torch.Tensor) -> str:
@@ -452,7 +462,7 @@ def _chunk_step(mm: PendingMatmul, whole: torch.Tensor, scale_rows: ScaleRows | 
     rows_view = {Operand.ROWS: mm.out, Operand.ROWS_T: mm.b, Operand.B_ROWS: mm.a}.get(mm.operand)
     if rows_view is None or view.aligned(rows_view if mm.operand is not Operand.B_ROWS else rows_view.t()):
         return part
-    shard_rows = whole.shape[1]
+    shard_rows = view.shard_rows
 
     def whole_shard_part(piece: torch.Tensor, src: int, rows: slice) -> None:
         if rows.stop == shard_rows:  # the last piece: the shard is complete
@@ -484,7 +494,7 @@ def _rows_part(mm: PendingMatmul, view: GatheredView, scale_rows: ScaleRows | No
         else:  # computed as one matrix, then placed
             res = torch.empty((g.shape[0], n), dtype=mm.out.dtype, device=g.device)
             mm.compute(g, mm.b, res, lambda t: view.rows_of(t, src, rows), scale_a=scale_a)
-            out_rows = mm.out.view(*lead, n).narrow(view.dim, src * view.block, view.block)[rows]
+            out_rows = view.block_of(mm.out.view(*lead, n), src, rows)
             out_rows.copy_(res.view(out_rows.shape))
 
     return rows_part
@@ -513,7 +523,7 @@ def _accumulate_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
 
     else:
         assert mm.operand is Operand.COLS, f"unknown operand {mm.operand}"
-        out_rows_per_shard_row = out.shape[0] // view.tensor.shape[0]  # lead dims are the shard's
+        out_rows_per_shard_row = out.shape[0] // view.shard_rows  # the dims before the rows are 1
 
         def factors(piece: torch.Tensor, src: int, rows: slice):
             acc_rows = acc[rows.start * out_rows_per_shard_row : rows.stop * out_rows_per_shard_row]

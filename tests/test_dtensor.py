@@ -72,7 +72,7 @@ def _both(outer, inner):
 # The demo's model: eagertp.demo.TransformerBlock and tensor_parallel_plan.
 
 
-def _transformer_worker(rank, group, steps, min_fuse_bytes=None):
+def _transformer_worker(rank, group, steps, min_fuse_bytes=None, batch=2):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -86,9 +86,9 @@ def _transformer_worker(rank, group, steps, min_fuse_bytes=None):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, grads, stats = [], [], []
         for step in range(steps):
-            x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(batch, 8, 16, generator=torch.Generator().manual_seed(step))
             x = x.chunk(group.size(), dim=1)[rank].contiguous()  # sequence-parallel input
-            with pipe if pipe is not None else contextlib.nullcontext():
+            with counter, pipe if pipe is not None else contextlib.nullcontext():
                 out = model(x)
                 loss = out.pow(2).mean()  # RowwiseParallel hands back local tensors
                 loss.backward()
@@ -99,15 +99,32 @@ def _transformer_worker(rank, group, steps, min_fuse_bytes=None):
             opt.zero_grad()
         return losses, grads, stats
 
+    counter = contextlib.nullcontext()
     expected_losses, expected_grads, _ = train(None)
-    pipe = EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes)
+    counter, pipe = OpCounter(), EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes)
     losses, grads, stats = train(pipe)
     return {
         "losses": (expected_losses, losses),
         "grads_close": [torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(grads, expected_grads)],
         "stats": stats,
         "explain": pipe.explain(),
+        "matmuls": sum(n for op, n in counter.counts.items() if op.startswith(("aten.mm", "aten.addmm"))),
     }
+
+
+def _batch_of_one_worker(rank, group):
+    """The block on a batch of one, its shards ``[1, 8 / W, 16]``: trained with
+    gathers in one piece each, then in up to 4 pieces along the sequence
+    (``piece_dim``); the reduce-scatters' pieces stay as they are."""
+    from eagertp.backends import ring
+
+    whole = _transformer_worker(rank, group, 1, batch=1)
+    saved = dict(ring.PIECES)
+    ring.PIECES["all_gather"] = (4, 1)
+    try:
+        return whole, _transformer_worker(rank, group, 1, batch=1)
+    finally:
+        ring.PIECES.update(saved)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -138,6 +155,21 @@ all_gather #2 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with 
 reduce_scatter(sum) #2 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with mm -> $14 [ring]
 all_gather #3 f32[2, 4, 16] -> f32[4, 4, 16] on group '2' (2 ranks): fused with mm (gathered A.t()) -> $18, mm -> $19 [ring]
 reduce_scatter(sum) #3 f32[4, 4, 16] -> f32[2, 4, 16] on group '2' (2 ranks): fused with mm + mm + mm -> $27 [ring]""")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_transformer_on_a_batch_of_one_gathers_in_pieces(pool, world):
+    """A batch of one is what long-sequence training runs: its gathers still
+    travel in pieces, each consumed as it lands (more matmuls, one a piece),
+    every collective fused and every gradient as plain eager's."""
+    for whole, pieces in pool.run(_batch_of_one_worker, world):
+        for r in (whole, pieces):
+            torch.testing.assert_close(r["losses"][1], r["losses"][0], rtol=1e-5, atol=1e-6)
+            assert all(r["grads_close"]), r["grads_close"]
+            (stats,) = r["stats"]
+            assert stats["all_gather_matmul"] == 4 and stats["matmul_reduce_scatter"] == 4, stats
+            assert stats.get("unfused_all_gather", 0) == 0 and stats.get("unfused_reduce_scatter", 0) == 0, stats
+        assert pieces["matmuls"] > whole["matmuls"], (pieces["matmuls"], whole["matmuls"])
 
 
 def _autocast_transformer_worker(rank, group, min_fuse_bytes=None):

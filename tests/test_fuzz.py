@@ -54,7 +54,7 @@ def programs(draw) -> list[str]:
     return steps
 
 
-def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pieces=False):
+def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pieces=False, batch=2):
     import torch.distributed as dist
     import torch.nn.functional as F
     from helpers import all_gather, all_reduce, integer_tensor, reduce_scatter
@@ -72,7 +72,8 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pie
         return torch.randint(0, 2, shape, generator=g).float() * 2 - 1
 
     def execute(pipe):
-        x = integer_tensor((2, SHARD_ROWS, WIDTH), torch.float32, seed=rank)  # [B, S/W, H]
+        # [B, S/W, H]: the same bytes whatever the batch (the size rule's cases below)
+        x = integer_tensor((batch, SHARD_ROWS * 2 // batch, WIDTH), torch.float32, seed=rank)
         side = []  # results kept aside: weight gradients
         for i, step in enumerate(steps):
             if step == "gather":  # Megatron-style: rows of a 2-D [B*S/W, H] view
@@ -153,19 +154,20 @@ MIN_FUSE_BYTES = [0, 100, 200]
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES),
-    world=st.sampled_from(WORLDS), small_pieces=st.booleans(),
+    world=st.sampled_from(WORLDS), small_pieces=st.booleans(), batch=st.sampled_from([1, 2]),
 )
 @pytest.mark.parametrize("backend", BOTH_BACKENDS)
-def test_random_programs_match_plain_eager(pool, backend, steps, autocast, min_fuse_bytes, world, small_pieces):
+def test_random_programs_match_plain_eager(pool, backend, steps, autocast, min_fuse_bytes, world, small_pieces, batch):
     """On the ring, and through torch's own symmetric-memory primitives
     (tests/symm_mem_emulation.py): its schedule, eagertp's callbacks. Half the
     programs split every chunk into pieces (helpers.with_small_pieces): the
-    ring's piecewise pipelines, and the gathers of products made as sent."""
-    args = (steps, autocast, min_fuse_bytes, small_pieces)
+    ring's piecewise pipelines, and the gathers of products made as sent;
+    half run on a batch of one, whose shards split past it (``piece_dim``)."""
+    args = (steps, autocast, min_fuse_bytes, small_pieces, batch)
     for rank, r in enumerate(run_on(backend, pool, _run_program, world, *args, timeout=30)):
         assert r["equal"], (
             f"rank {rank} of {world} differs from plain eager for {steps} on {backend} (autocast={autocast}, "
-            f"min_fuse_bytes={min_fuse_bytes}, small_pieces={small_pieces}):\n{r['explain']}"
+            f"min_fuse_bytes={min_fuse_bytes}, small_pieces={small_pieces}, batch={batch}):\n{r['explain']}"
         )
         if backend == "symm_mem":
             assert "[ring" not in r["explain"], "symm_mem served every fused collective"

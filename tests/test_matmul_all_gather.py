@@ -56,8 +56,9 @@ def _product_worker(rank, group, x_shape, n, gather_dim, bias):
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize(
-    "x_shape,gather_dim", [((8, 16), 0), ((8, 16), 1), ((4, 3, 16), 2), ((4, 3, 16), 0)],
-    ids=["2d", "2d-last", "3d-last", "3d"],
+    "x_shape,gather_dim",
+    [((8, 16), 0), ((8, 16), 1), ((4, 3, 16), 2), ((4, 3, 16), 0), ((1, 8, 16), 2), ((1, 8, 16), 0)],
+    ids=["2d", "2d-last", "3d-last", "3d", "batch-of-one-last", "batch-of-one"],
 )
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_product_is_made_as_it_is_sent(pool, world, x_shape, gather_dim, bias):

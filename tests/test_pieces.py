@@ -13,6 +13,7 @@ from helpers import OpCounter, all_gather, all_reduce, fusion_report, integer_te
 from test_all_gather_matmul import _assert_fused, _contract_worker, _gather_dim_worker, _linear_worker
 
 from eagertp import EagerMicroPipeline
+from eagertp.backends.base import piece_dim
 from eagertp.backends.ring import piece_rows
 
 WORLDS = [2, 4]
@@ -30,6 +31,60 @@ def test_piece_rows_depend_on_shape_only():
     assert piece_rows(torch.empty(1024, 1024), "all_gather") == [slice(0, 512), slice(512, 1024)]
     assert piece_rows(torch.empty(1024, 1024), "reduce_scatter") == [slice(0, 1024)]
     assert piece_rows(torch.empty(1024, 1024), "all_reduce") == [slice(0, 512), slice(512, 1024)]
+    # A batch of one splits along the dim after it: the same bytes as [1024, 1024].
+    assert piece_rows(torch.empty(1, 1024, 1024), "all_gather") == [slice(0, 512), slice(512, 1024)]
+
+
+def test_piece_dim_skips_leading_ones_but_never_splits_the_last_dim():
+    assert [piece_dim(s) for s in [(8,), (1, 8), (4, 8), (1, 4, 8), (1, 1, 4, 8), (2, 1, 4, 8), (1, 1, 8)]] == [
+        0, 0, 0, 1, 2, 0, 1
+    ]
+
+
+def _batch_of_one_worker(rank, group, shard_shape, gather_dim, form):
+    """A shard that leads with dims of size 1 (a batch of one, sharded along
+    the sequence: DTensor SP's [1, S/W, D]) gathered along ``gather_dim`` and
+    read by one matmul ``form`` on its rows [M, 8] (or, gathered along the last
+    dim, its columns): it travels in pieces of its sequence rows, each consumed
+    as it lands."""
+    world = group.size()
+    x = integer_tensor(shard_shape, torch.float32, seed=rank)
+    rows = x.numel() * world // 8
+    w = integer_tensor((8 * (world if gather_dim == len(shard_shape) - 1 else 1), 5), torch.float32, seed=1)
+    h = integer_tensor((rows, 6), torch.float32, seed=2)
+    matmuls = {"rows": lambda g: g @ w, "rows_t": lambda g: g.t() @ h, "b_rows": lambda g: h.t() @ g}
+
+    def program():
+        g = all_gather(x, group, gather_dim)
+        return g, matmuls[form](g.reshape(-1, w.shape[0]) if form == "rows" else g.reshape(rows, 8))
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {
+        "ok": [torch.equal(a, b) for a, b in zip(got, expected)],
+        "matmuls": sum(n for op, n in counter.counts.items() if op.startswith(("aten.mm", "aten.addmm"))),
+        **fusion_report(pipe, counter),
+    }
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(
+    "shard_shape,gather_dim,form",
+    [
+        ((1, 6, 8), 1, "rows"), ((1, 6, 8), 1, "rows_t"), ((1, 6, 8), 1, "b_rows"),
+        ((1, 6, 8), 0, "rows"), ((1, 6, 8), 2, "rows"), ((1, 1, 6, 8), 1, "rows"),
+    ],
+    ids=["sp", "sp-rows_t", "sp-b_rows", "dim0", "last", "two-ones"],
+)
+def test_a_batch_of_one_travels_in_pieces(pool, world, shard_shape, gather_dim, form):
+    """Pieces split a shard past its leading dims of size 1 (``piece_dim``):
+    4 pieces of every peer's shard, each with its own matmul, bitwise equal."""
+    for r in pool.run(with_small_pieces, world, _batch_of_one_worker, shard_shape, gather_dim, form):
+        assert all(r["ok"]), r
+        _assert_fused(r, calls=1, matmuls=1)
+        assert r["p2p_ops"] > 2 * (world - 1), "the shards travelled in pieces"
+        assert r["matmuls"] == 1 + (world - 1) * 4, r  # this rank's shard whole, then one matmul a piece
 
 
 @pytest.mark.parametrize("world", WORLDS)

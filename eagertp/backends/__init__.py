@@ -32,9 +32,9 @@ it is made (the ring; the others make the shard, then send it)::
 
     handle = produce_all_gather(producer, shard, ag_out, group)
 
-        for rows in the pieces the shard travels in:
-            producer(shard[rows], rows)
-            send shard[rows]
+        for rows in the pieces the shard travels in (along its piece_dim):
+            producer(shard_piece(shard, rows), rows)
+            send shard_piece(shard, rows)
         handle = the gather of ag_out in flight, as start_all_gather's
 
 ``consumer`` may be ``None`` (the gather alone). Calls to one consumer may

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -11,8 +11,9 @@ import torch.distributed as dist
 from eagertp._format import group_str
 from eagertp.trace import Text
 
-# consumer(piece, src_rank, rows): piece is rows `rows` (a slice along dim 0) of
-# rank src_rank's shard. A backend delivers each shard whole or in pieces; the
+# consumer(piece, src_rank, rows): piece is rows `rows` (a slice along the
+# shard's `piece_dim`) of rank src_rank's shard, `shard_piece(shard, rows)`.
+# A backend delivers each shard whole (`whole_rows`) or in pieces; the
 # pieces of one shard arrive in order, as views of its chunk of ag_out, so the
 # last one completes the shard there. A shard delivered whole may be any tensor
 # holding it: ag_out may not hold it yet.
@@ -43,10 +44,36 @@ class OrderedConsumer:
 ChunkProducer = Callable[[int, torch.Tensor, slice], None]
 ALL_ROWS = slice(None)
 
-# producer(piece, rows): writes rows `rows` (a slice along dim 0, or ALL_ROWS)
-# of this rank's shard of an all-gather into piece, the shard's own view of
-# them, before they are sent (``Backend.produce_all_gather``).
+# producer(piece, rows): writes rows `rows` (a slice along the shard's
+# `piece_dim`, or ALL_ROWS) of this rank's shard of an all-gather into piece,
+# the shard's own view of them, before they are sent
+# (``Backend.produce_all_gather``).
 ShardProducer = Callable[[torch.Tensor, slice], None]
+
+
+def piece_dim(shape: Sequence[int]) -> int:
+    """The dim along which a shard of ``shape`` travels in pieces, and which
+    the ``rows`` of consumers and shard producers count: dim 0, or past the
+    leading dims of size 1, never the last. So a batch of one sharded along the
+    sequence, ``[1, S/W, D]``, splits along ``S/W`` as ``[S/W, D]`` would: the
+    same bytes (the dims before it are 1), and its pieces are runs of whole
+    rows, contiguous in the shard and in every view of the gathered tensor."""
+    d = 0
+    while d < len(shape) - 2 and shape[d] == 1:
+        d += 1
+    return d
+
+
+def whole_rows(shard: torch.Tensor) -> slice:
+    """The ``rows`` of a whole shard (or of any chunk shaped like it)."""
+    return slice(0, shard.shape[piece_dim(shard.shape)]) if shard.dim() else slice(0, 1)
+
+
+def shard_piece(shard: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows ``rows`` of ``shard`` (or of a chunk shaped like it), a view."""
+    if not shard.dim():
+        return shard
+    return shard.narrow(piece_dim(shard.shape), rows.start, rows.stop - rows.start)
 
 
 def chunk_rows(chunk: torch.Tensor) -> torch.Tensor:
@@ -192,7 +219,7 @@ def consume_in_order(consumer: ChunkConsumer | None, chunks: torch.Tensor) -> No
     """Run ``consumer`` on every rank's whole chunk, rank order (all present)."""
     if consumer is not None:
         for src, chunk in enumerate(chunks):
-            consumer(chunk, src, slice(0, chunk.shape[0]))
+            consumer(chunk, src, whole_rows(chunk))
 
 
 def check_gather_buffers(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -11,7 +11,7 @@ chunks of ``ag_out`` (no staging buffer, no extra full-size copy), then copies
 this rank's shard into its own chunk; ``consume`` runs the consumer on this
 rank's own shard, then on each peer's shard as it lands, in ring order
 (``rank - 1``, ``rank - 2``, ...). A shard may travel in pieces
-(``piece_rows``: split along dim 0 by its bytes, Note [Pieces]), each consumed
+(``piece_rows``: split along its ``piece_dim`` by its bytes, Note [Pieces]), each consumed
 as it lands. How the shards move depends on the world size and the device:
 
 - 2 ranks, or NCCL: every send and receive is posted at the start (one
@@ -84,7 +84,9 @@ from eagertp.backends.base import (
     chunk_rows,
     peer_error,
     reduce_scatter_then_gather,
+    shard_piece,
     wait_for_peer,
+    whole_rows,
 )
 from eagertp.trace import Meta, Reason, Text
 
@@ -234,7 +236,7 @@ class _P2PGather:
         chunks, rank = self._chunks, self._rank
         if consumer is not None:
             own = chunks[rank] if self._shard is None else self._shard
-            consumer(own, rank, slice(0, chunks.shape[1]))
+            consumer(own, rank, whole_rows(own))
         if own_chunk_unread:
             self._shard = None  # never filled: nothing will read it
         else:
@@ -296,13 +298,15 @@ class _ThreadedRing:
         # itself (Note [Sends from the shard]), the first shard's pieces are
         # posted. A produced shard: the receives first, each piece made, then sent.
         if producer is None:
-            self._shard_sends = [self._links.isend(shard[r]) for r in rows]
-        self._recvs = {p: self._links.irecv(chunks[src][r]) for p, (src, r) in enumerate(self._pieces[: len(rows)])}
+            self._shard_sends = [self._links.isend(piece) for piece in pieces_of(shard, rows)]
+        self._recvs = {
+            p: self._links.irecv(shard_piece(chunks[src], r)) for p, (src, r) in enumerate(self._pieces[: len(rows)])
+        }
         if producer is not None:
             self._shard_sends = []
-            for r in rows:
-                producer(shard[r], r)
-                self._shard_sends.append(self._links.isend(shard[r]))
+            for r, piece in zip(rows, pieces_of(shard, rows)):
+                producer(piece, r)
+                self._shard_sends.append(self._links.isend(piece))
         if shard.data_ptr() != chunks[rank].data_ptr():  # NB: a produced shard is made there
             chunks[rank].copy_(shard)  # while the shard is on its way
         self._sends: list[dist.Work] = []  # the forwards, appended by whichever thread drives the ring
@@ -316,9 +320,9 @@ class _ThreadedRing:
         nxt = p + self._per_step
         if nxt < len(self._pieces):
             src, rows = self._pieces[p]
-            self._sends.append(self._links.isend(self._chunks[src][rows]))
+            self._sends.append(self._links.isend(shard_piece(self._chunks[src], rows)))
             next_src, next_rows = self._pieces[nxt]
-            self._recvs[nxt] = self._links.irecv(self._chunks[next_src][next_rows])
+            self._recvs[nxt] = self._links.irecv(shard_piece(self._chunks[next_src], next_rows))
         self._driven = p + 1
         self._landed[p].set()
 
@@ -353,11 +357,11 @@ class _ThreadedRing:
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks, rank = self._chunks, self._rank
         if consumer is not None:
-            consumer(chunks[rank], rank, slice(0, chunks.shape[1]))
+            consumer(chunks[rank], rank, whole_rows(chunks[rank]))
         for p, (src, rows) in enumerate(self._pieces):
             self._land(p)
             if consumer is not None:
-                consumer(chunks[src][rows], src, rows)
+                consumer(shard_piece(chunks[src], rows), src, rows)
         self._helper_done.wait()
         self.release_shard()
         self._links.wait_sent(self._sends)
@@ -507,7 +511,7 @@ class _InterleavedAllReduce:
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks = self._chunks
         if consumer is not None:
-            consumer(chunks[self._rank], self._rank, slice(0, chunks.shape[1]))
+            consumer(chunks[self._rank], self._rank, whole_rows(chunks[self._rank]))
         for i, (r, piece) in enumerate(zip(self._rows, self._peer_pieces)):
             self._reduced.wait(i)
             if consumer is not None:
@@ -641,6 +645,11 @@ _COMBINE = {"sum": _add, "avg": _add, "max": _max, "min": _min, "product": _mul}
 # chunk's shape and dtype only: every rank must split alike (Invariant 2), and
 # an all-gather starts before its consumers are known. Measured on 2 CPU ranks
 # over gloo against hand-written schedules (benchmarks/NOTES.md).
+# A chunk splits along its ``piece_dim``: dim 0, or past leading dims of size 1.
+# A batch of one sharded along the sequence (DTensor SP's [1, S/W, D], HF's
+# [1, S, V/W] logits) splits along S as [S/W, D] would, where splitting dim 0
+# would leave it whole: no consumer could start before the peer's whole shard
+# had landed, and no product could be sent as it is made (session 15).
 PIECES: dict[str, tuple[int, int]] = {
     "all_gather": (2, 256 << 10),
     "reduce_scatter": (1, 64 << 10),
@@ -649,22 +658,23 @@ PIECES: dict[str, tuple[int, int]] = {
 
 
 def pieces_of(t: torch.Tensor, rows: list[slice]) -> list[torch.Tensor]:
-    """``[t[r] for r in rows]``, with ``t`` itself for one piece of all its rows
-    (NB: the common case, and a tensor index costs several us on the ring's path)."""
-    if len(rows) == 1 and rows[0].start == 0 and rows[0].stop == t.shape[0]:
+    """``[shard_piece(t, r) for r in rows]``, with ``t`` itself for one piece
+    of all its rows (NB: the common case, and a view costs several us on the
+    ring's path)."""
+    if len(rows) == 1 and rows[0] == whole_rows(t):
         return [t]
-    return [t[r] for r in rows]
+    return [shard_piece(t, r) for r in rows]
 
 
 def piece_rows(
     chunk: torch.Tensor, kind: str, max_pieces: int | None = None, min_bytes: int | None = None
 ) -> list[slice]:
-    """How one chunk of a ``kind`` collective is split along dim 0 for the
-    ring (Note [Pieces]): a function of its shape and dtype only."""
+    """How one chunk of a ``kind`` collective is split along its ``piece_dim``
+    for the ring (Note [Pieces]): a function of its shape and dtype only."""
     default_max, default_min = PIECES[kind]
     max_pieces = default_max if max_pieces is None else max_pieces
     min_bytes = default_min if min_bytes is None else min_bytes
-    n_rows = chunk.shape[0] if chunk.dim() else 1
+    n_rows = whole_rows(chunk).stop
     nbytes = chunk.numel() * chunk.element_size()
     pieces = max(1, min(max_pieces, n_rows, nbytes // max(min_bytes, 1)))
     bounds = [i * n_rows // pieces for i in range(pieces + 1)]

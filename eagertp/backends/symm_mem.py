@@ -50,6 +50,7 @@ from eagertp.backends.base import (
     check_scatter_buffers,
     produce_then_gather,
     reduce_scatter_then_gather,
+    whole_rows,
 )
 
 # What this backend uses of torch.distributed._symmetric_memory.
@@ -224,7 +225,7 @@ class SymmMemGather:
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         """``consumer`` on every chunk, on the current stream, each behind its event."""
         current = torch.cuda.current_stream(self.chunks.device)
-        rows = slice(0, self.chunks.shape[1])
+        rows = whole_rows(self.chunks[0])
         for src, event in self.arrivals:
             if event is not None:
                 current.wait_event(event)
