@@ -31,6 +31,13 @@ eagertp makes the product in the pieces the gather sends, each sent as made
 max(comm, mm) like the others, though with 2 pieces at most a piece's matmul
 or transfer stays exposed.
 
+``--batch-of-one`` runs the two gathers of rows as the programs of a batch of
+one write them: ``all_gather_matmul`` gathers its shard as ``[1, M/W, K]``
+along dim 1 (DTensor sequence parallel's ``[B, S/W, D]``), ``matmul_all_gather``
+its product as ``[1, M/W, N]`` along the last dim (HF's lm_head logits,
+``[B, S, V/W]``, then a cat). The bytes moved and the matmuls are the same;
+what changes is the dim the ring splits (Note [Pieces] in eagertp.backends.ring).
+
 ``all_gather_indep_matmul`` is the prefetch form: the program issues the
 all-gather, then a matmul that does not read it, then the gather's consumer::
 
@@ -92,6 +99,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="EagerMicroPipeline(min_fuse_bytes=...): 0 fuses every size; default: the size rule's per-device value",
     )
     parser.add_argument(
+        "--batch-of-one",
+        action="store_true",
+        help="all_gather_matmul and matmul_all_gather as a batch of one writes them: [1, M/W, K] gathered along "
+        "dim 1, [1, M/W, N] gathered along the last dim",
+    )
+    parser.add_argument(
         "--plot",
         metavar="PATH",
         default=None,
@@ -100,7 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
+def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int, batch_of_one: bool = False):
     """``(comm, mm, program, hand)`` for one form: the collective alone, the
     matmul alone, the program that eagertp fuses (unfused, except in the
     prefetch form, where plain eager overlaps the gather with the independent
@@ -128,7 +141,9 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
             all_gather_single(gathered, shard, group=group)
 
         def program():
-            funcol_all_gather(shard, gather_dim, group) @ b
+            if batch_of_one and gather_dim == 0:  # the sequence dim of [1, M/W, K]
+                return funcol_all_gather(shard.view(1, *shard.shape), 1, group).view(m, k) @ b
+            return funcol_all_gather(shard, gather_dim, group) @ b
 
         schedule = hand.all_gather_matmul if gather_dim == 0 else hand.all_gather_matmul_k
         hand_fns = {p: schedule(shard, b, p) for p in hand.PIECES}
@@ -177,7 +192,10 @@ def _case(op: str, m: int, k: int, n: int, world: int, dtype, seed: int):
         def program():
             # NB: waited and returned: plain eager's gather is asynchronous, and
             # the result is observed (held until the block's exit).
-            g = funcol_all_gather(a @ b, 0, group)
+            if batch_of_one:  # the logits [1, M/W, N] of a column-parallel lm_head, gathered along N
+                g = funcol_all_gather((a @ b).view(1, m // world, n), 2, group)
+            else:
+                g = funcol_all_gather(a @ b, 0, group)
             return g.wait() if isinstance(g, funcol.AsyncCollectiveTensor) else g
 
         hand_fns = {p: hand.matmul_all_gather(a, b, p) for p in hand.PIECES}
@@ -214,7 +232,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     results = []
     for op in args.ops:
         for n in args.n:
-            comm, mm, program, hand = _case(op, args.m, args.k, n, world, getattr(torch, args.dtype), seed=rank)
+            comm, mm, program, hand = _case(
+                op, args.m, args.k, n, world, getattr(torch, args.dtype), seed=rank, batch_of_one=args.batch_of_one
+            )
             pipe = EagerMicroPipeline(backend=args.backend, min_fuse_bytes=args.min_fuse_bytes)
 
             def with_eagertp(pipe=pipe, program=program):

@@ -52,6 +52,11 @@ def test_overlap_times_every_form():
                "--repeats", "1", "--warmup", "0", "--min-fuse-bytes", "0")
     assert re.search(r"^ *matmul_all_gather +256 +256 +64 .* one piece ", out, re.MULTILINE), out
     assert re.search(r"^ *matmul_all_gather +256 +256 +2048 .* fused ", out, re.MULTILINE), out
+    # As a batch of one writes them: a [1, 128, 2048] product gathered along its last dim still in pieces.
+    out = _run("overlap.py", "--ops", "all_gather_matmul", "matmul_all_gather", "--batch-of-one", "--m", "256",
+               "--k", "256", "--n", "2048", "--repeats", "1", "--warmup", "0", "--min-fuse-bytes", "0")
+    for form in ("all_gather_matmul", "matmul_all_gather"):
+        assert re.search(rf"^ *{form} +256 +256 +2048 .* fused ", out, re.MULTILINE), out
 
 
 def test_call_cost_splits_a_fused_call_into_phases():

@@ -649,7 +649,8 @@ _COMBINE = {"sum": _add, "avg": _add, "max": _max, "min": _min, "product": _mul}
 # A batch of one sharded along the sequence (DTensor SP's [1, S/W, D], HF's
 # [1, S, V/W] logits) splits along S as [S/W, D] would, where splitting dim 0
 # would leave it whole: no consumer could start before the peer's whole shard
-# had landed, and no product could be sent as it is made (session 15).
+# had landed, and no product could be sent as it is made (benchmarks/NOTES.md,
+# session 15: its gather of a product went from 1.0x to 1.2-1.3x unfused).
 PIECES: dict[str, tuple[int, int]] = {
     "all_gather": (2, 256 << 10),
     "reduce_scatter": (1, 64 << 10),
