@@ -132,13 +132,13 @@ def test_rowwise_gathered_scale_with_the_data_in_pieces(pool, world):
         _check_fused(r, "ring", consumers=2)
 
 
-def _dim1_worker(rank, group, verify=False):
+def _dim1_worker(rank, group, verify=False, batch=2):
     """3-D activations gathered along the sequence dim (funcol's cat of chunks),
     their scales [B, S/W, 1] too."""
     world = group.size()
-    data = integer_tensor((2, 8, 32), torch.float32, seed=rank).to(FP8)
+    data = integer_tensor((batch, 8, 32), torch.float32, seed=rank).to(FP8)
     g = torch.Generator().manual_seed(100 + rank)
-    scale = 2.0 ** torch.randint(-1, 2, (2, 8, 1), generator=g).float()
+    scale = 2.0 ** torch.randint(-1, 2, (batch, 8, 1), generator=g).float()
     w = col_major(integer_tensor((32, 16), torch.float32, seed=50).to(FP8))
     one = torch.ones(1, 16)
 
@@ -150,8 +150,24 @@ def _dim1_worker(rank, group, verify=False):
     expected = program()
     with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=0, verify=verify) as pipe:
         got = program()
-    assert got.shape == (2 * 8 * world, 16)
+    assert got.shape == (batch * 8 * world, 16)
     return {"ok": torch.equal(got, expected), "explain": pipe.explain(), **fusion_report(pipe, counter)}
+
+
+def _batch_of_one_pieces_worker(rank, group):
+    from helpers import with_small_pieces
+
+    return with_small_pieces(rank, group, _dim1_worker, False, 1)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_rowwise_gathered_scale_of_a_batch_of_one_in_pieces(pool, world):
+    """[1, S/W, K] data and [1, S/W, 1] scales: the data travels in pieces of
+    its sequence rows (``piece_dim``), each piece's matmul reading the same
+    rows of the scale."""
+    for r in pool.run(_batch_of_one_pieces_worker, world):
+        _check_fused(r, "ring")
+        assert r["p2p_ops"] > 4 * (world - 1), "the data travelled in pieces"
 
 
 @pytest.mark.parametrize("backend", BOTH_BACKENDS)
