@@ -112,10 +112,10 @@ def test_contracting_consumers_in_pieces(pool, world):
         _assert_fused(r, calls=1, matmuls=3)
 
 
-def _unaligned_worker(rank, group):
+def _unaligned_worker(rank, group, shape=(4, 8)):
     """A row view that merges two shard rows into one: pieces of a shard do not
     map to whole rows, so that consumer waits for the whole shard."""
-    x = integer_tensor((4, 8), torch.float32, seed=rank)
+    x = integer_tensor(shape, torch.float32, seed=rank)
     w = integer_tensor((16, 5), torch.float32, seed=1)
     expected = all_gather(x, group).view(-1, 16) @ w
     with OpCounter() as counter, EagerMicroPipeline() as pipe:
@@ -124,8 +124,9 @@ def _unaligned_worker(rank, group):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_consumer_rows_not_aligned_with_pieces_waits_for_the_shard(pool, world):
-    for r in pool.run(with_small_pieces, world, _unaligned_worker):
+@pytest.mark.parametrize("shape", [(4, 8), (1, 4, 8)], ids=["2d", "batch-of-one"])
+def test_consumer_rows_not_aligned_with_pieces_waits_for_the_shard(pool, world, shape):
+    for r in pool.run(with_small_pieces, world, _unaligned_worker, shape):
         assert r["ok"]
         _assert_fused(r, calls=1, matmuls=1)
         assert r["p2p_ops"] > 2 * (world - 1), "the shard travelled in pieces"
