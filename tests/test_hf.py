@@ -10,8 +10,9 @@ gradients, MoE experts, products all-gathered along the last dim
 (``_OTHER_PLANS``). One forward + backward under ``EagerMicroPipeline`` must
 equal plain eager (logits, loss, every gradient), every all-reduce of a matmul
 output must be fused, and every other collective unfused with its reason;
-every family run again with every shard in pieces must also make each of
-its products all-gathered as it sends it (Note [Matmul + all-gather]).
+every family run again with every shard in pieces, on a batch of two and
+on a batch of one, must also make each of its products all-gathered as it
+sends it (Note [Matmul + all-gather]).
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
@@ -93,13 +94,15 @@ def _hf_worker(rank, group, path, families):
         reports[family] = _compare_step(model)
         if family in _IN_PIECES:
             reports[f"{family} in pieces"] = _compare_step(model, in_pieces=True)
+            reports[f"{family} batch of one in pieces"] = _compare_step(model, in_pieces=True, batch=1)
     return reports
 
 
-def _compare_step(model, in_pieces: bool = False) -> dict:
+def _compare_step(model, in_pieces: bool = False, batch: int = 2) -> dict:
     """One forward + backward, plain eager then under EagerMicroPipeline: are
     the logits, the loss and every gradient close, and what ran."""
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))  # 16 rows: split over 4 ranks
+    # 16 rows (split over 4 ranks), as 2 sequences of 8 or one of 16
+    ids = torch.randint(0, 128, (batch, 16 // batch), generator=torch.Generator().manual_seed(1))
 
     def step(ctx):
         model.zero_grad()
@@ -272,12 +275,14 @@ _GATHERS_IN_PIECES = {
 
 
 @pytest.mark.parametrize("family", _IN_PIECES)
-def test_hf_gathers_of_matmul_outputs_made_as_they_are_sent(hf_reports, family):
+@pytest.mark.parametrize("batch", ["", " batch of one"], ids=["batch2", "batch1"])
+def test_hf_gathers_of_matmul_outputs_made_as_they_are_sent(hf_reports, family, batch):
     """Every shard in pieces: each gather of a matmul output in the family's
     own plan makes the product as it sends it, and every gradient still
-    equals plain eager."""
+    equals plain eager. A batch of one's [1, S, V/W] logits split along S
+    (``piece_dim``)."""
     stats, gathers = _GATHERS_IN_PIECES[family]
-    results = hf_reports[f"{family} in pieces"]
+    results = hf_reports[f"{family}{batch} in pieces"]
     _check_common(results, family)
     for r in results:
         assert r["stats"] == stats, r
