@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import OpCounter, all_gather, all_reduce, fusion_report, integer_tensor, reduce_scatter, with_small_pieces
+from symm_mem_emulation import run_on
 from test_all_gather_matmul import _assert_fused, _contract_worker, _gather_dim_worker, _linear_worker
 
 from eagertp import EagerMicroPipeline
@@ -85,6 +86,17 @@ def test_a_batch_of_one_travels_in_pieces(pool, world, shard_shape, gather_dim, 
         _assert_fused(r, calls=1, matmuls=1)
         assert r["p2p_ops"] > 2 * (world - 1), "the shards travelled in pieces"
         assert r["matmuls"] == 1 + (world - 1) * 4, r  # this rank's shard whole, then one matmul a piece
+
+
+@pytest.mark.parametrize("form", ["rows", "rows_t", "b_rows"])
+def test_a_batch_of_one_on_symm_mem_counts_whole_shards(pool, form):
+    """symm_mem hands over whole shards (torch's chunking): their rows are
+    counted along the same ``piece_dim``, so the accumulating consumers see
+    every row once."""
+    for r in run_on("symm_mem", pool, _batch_of_one_worker, 2, (1, 6, 8), 1, form):
+        assert all(r["ok"]), r
+        _assert_fused(r, calls=1, matmuls=1, backend="symm_mem")
+        assert r["matmuls"] == 2, r  # one a rank's shard
 
 
 @pytest.mark.parametrize("world", WORLDS)
