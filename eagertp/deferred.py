@@ -180,6 +180,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import itertools
 import math
 import sys
@@ -235,21 +236,17 @@ class GatheredView:
         """Size of one rank's block along ``dim``."""
         return self.tensor.shape[self.dim] // self.world
 
-    @property
-    def shard_shape(self) -> list[int]:
-        shape = list(self.tensor.shape)
-        shape[self.dim] //= self.world
-        return shape
-
-    @property
+    @functools.cached_property
     def piece_dim(self) -> int:
         """The dim of one rank's shard (and of this view) that pieces split."""
-        return piece_dim(self.shard_shape)
+        shard_shape = list(self.tensor.shape)
+        shard_shape[self.dim] //= self.world
+        return piece_dim(shard_shape)
 
     @property
     def shard_rows(self) -> int:
         """The rows of one rank's shard, along ``piece_dim`` (the pieces' ``rows``)."""
-        return self.shard_shape[self.piece_dim]
+        return self.tensor.shape[self.piece_dim] // (self.world if self.piece_dim == self.dim else 1)
 
     def observed(self) -> bool:
         """False if nothing but this view can reach its placeholder (the

@@ -11,8 +11,9 @@ chunks of ``ag_out`` (no staging buffer, no extra full-size copy), then copies
 this rank's shard into its own chunk; ``consume`` runs the consumer on this
 rank's own shard, then on each peer's shard as it lands, in ring order
 (``rank - 1``, ``rank - 2``, ...). A shard may travel in pieces
-(``piece_rows``: split along its ``piece_dim`` by its bytes, Note [Pieces]), each consumed
-as it lands. How the shards move depends on the world size and the device:
+(``piece_rows``: split along its ``piece_dim`` by its bytes, Note [Pieces]),
+each consumed as it lands. How the shards move depends on the world size and
+the device:
 
 - 2 ranks, or NCCL: every send and receive is posted at the start (one
   ``batch_isend_irecv``); the transfers progress on gloo's threads and NCCL's
