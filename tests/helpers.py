@@ -106,6 +106,11 @@ class OpCounter(TorchDispatchMode):
     def p2p(self) -> int:
         return self.counts["c10d.send.default"] + self.counts["c10d.recv_.default"]
 
+    @property
+    def matmuls(self) -> int:
+        """Every mm and addmm (in place and out= too): one per piece a consumer or producer ran."""
+        return sum(n for op, n in self.counts.items() if op.startswith(("aten.mm", "aten.addmm")))
+
 
 def with_small_pieces(rank, group, worker, *args):
     """Run ``worker`` with the ring splitting every chunk of every collective

@@ -28,7 +28,7 @@ WORLDS = [2, 4]
 def _report(pipe, counter: OpCounter) -> dict:
     return {
         **fusion_report(pipe, counter),
-        "matmuls": sum(n for op, n in counter.counts.items() if op.startswith(("aten.mm.", "aten.addmm."))),
+        "matmuls": counter.matmuls,
         "copies": counter.counts["aten.copy_.default"],
         "explain": pipe.explain(),
         "trace": pipe.debug_string(),
