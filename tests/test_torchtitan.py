@@ -4,7 +4,9 @@ sequence-parallel final norm, and a column-parallel output kept sharded along
 the vocabulary for ``loss_parallel``'s cross-entropy (its own all-reduces of
 the row max and the sum of exponentials), forward and backward, under
 ``EagerMicroPipeline``: the same loss and gradients as plain eager, every
-matmul collective fused, the others issued with their reasons."""
+matmul collective fused, the others issued with their reasons. Then the
+whole stack torchtitan trains with: that plan on the tp dim of a 2 x 2 mesh,
+every block checkpointed, FSDP2 on the dp dim, AdamW."""
 
 from __future__ import annotations
 
@@ -114,3 +116,97 @@ def test_torchtitan_llama_plan_with_loss_parallel(pool, world, batch):
         assert len(unfused) == sum(n for n, _, _ in _UNFUSED), r["explain"]
         for n, head, why in _UNFUSED:
             assert sum(line.startswith(head) and why in line for line in unfused) == n, (head, r["explain"])
+
+
+# -- the whole stack: FSDP2 x TP on a 2 x 2 mesh, activation checkpointing ------
+
+
+def _titan_fsdp_worker(rank, group, steps=2):
+    """torchtitan's order: ``apply_tp`` on the tp mesh, ``apply_ac`` (every
+    block checkpointed, non-reentrant), ``apply_fsdp`` (each block, then the
+    root) on the dp mesh; AdamW; each step's forward + backward under
+    ``loss_parallel`` and ``EagerMicroPipeline(group=tp)``."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
+    )
+
+    from eagertp.demo import tensor_parallel_plan
+
+    assert group.size() == dist.get_world_size() == 4
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_group, dp_rank = mesh.get_group("tp"), mesh.get_local_rank("dp")
+
+    def batch(step):  # a batch per dp rank, the same on both of its tp ranks
+        g = torch.Generator().manual_seed(1000 + 10 * step + dp_rank)
+        return torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g)
+
+    def train(use_eagertp: bool):
+        torch.manual_seed(0)
+        model = _TinyLlama()
+        parallelize_module(model, mesh["tp"], {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        })
+        for i, layer in enumerate(model.layers):
+            parallelize_module(layer, mesh["tp"], tensor_parallel_plan())
+            model.layers[i] = checkpoint_wrapper(layer)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, stats = [], []
+        for step in range(steps):
+            ids, labels = batch(step)
+            pipe = EagerMicroPipeline(group=tp_group) if use_eagertp else contextlib.nullcontext()
+            with loss_parallel(), pipe:
+                loss = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(0, 1))
+                loss.backward()
+            losses.append(loss.detach().full_tensor())
+            stats.append(dict(pipe.stats) if use_eagertp else {})
+            opt.step()
+            opt.zero_grad()
+        params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        return losses, params, stats, pipe.explain() if use_eagertp else ""
+
+    plain = train(False)
+    fused = train(True)
+    return {
+        "losses": (plain[0], fused[0]),
+        "params_close": {n: torch.allclose(fused[1][n], p, rtol=1e-4, atol=1e-5) for n, p in plain[1].items()},
+        "stats": fused[2],
+        "explain": fused[3],
+    }
+
+
+# Per step on the tp group: _STATS, plus the checkpointed blocks' forward
+# recomputed in backward (each block's 2 gathers and, as non-reentrant
+# checkpointing stops once it has what backward needs, its first
+# reduce-scatter: fused again), and the sequence-parallel norms' weight and
+# bias gradients all-reduced (1-d: issued as written, with the reason).
+_STACK_STATS = {
+    **_STATS,
+    "all_gather_matmul": _STATS["all_gather_matmul"] + 2 * LAYERS,
+    "fused_matmuls": _STATS["fused_matmuls"] + 4 * LAYERS,
+    "matmul_reduce_scatter": _STATS["matmul_reduce_scatter"] + LAYERS,
+    "unfused_all_reduce": _STATS["unfused_all_reduce"] + 2 * (2 * LAYERS + 1),
+}
+
+
+def test_torchtitan_stack_fsdp2_tp_checkpointing_loss_parallel(pool):
+    """FSDP2 on dp, TP on tp, every block checkpointed, loss_parallel:
+    eagertp fuses every TP matmul collective of every step (the recomputed
+    ones too) and leaves FSDP's alone; the losses and the trained parameters
+    are plain eager's."""
+    for r in pool.run(_titan_fsdp_worker, 4):
+        torch.testing.assert_close(r["losses"][1], r["losses"][0], rtol=1e-5, atol=1e-6)
+        assert all(r["params_close"].values()), r["params_close"]
+        assert r["stats"] == [_STACK_STATS] * 2, r["stats"]
+        unfused = [line for line in r["explain"].splitlines() if "not fused" in line]
+        norms = "not fused: the rows of f32[16] (all dims but the last) do not split over 2 ranks"
+        assert sum(norms in line for line in unfused) == 2 * (2 * LAYERS + 1), r["explain"]
