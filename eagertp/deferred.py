@@ -180,7 +180,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import functools
 import itertools
 import math
 import sys
@@ -230,23 +229,21 @@ class GatheredView:
     world: int
     tid: int
     cast: bool = False
+    # The dim of one rank's shard (and of this view) that pieces split, and
+    # the shard's size along it: the rows the pieces' ``rows`` count.
+    piece_dim: int = dataclasses.field(init=False, repr=False)
+    shard_rows: int = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        shard_shape = list(self.tensor.shape)
+        shard_shape[self.dim] //= self.world
+        self.piece_dim = piece_dim(shard_shape)
+        self.shard_rows = shard_shape[self.piece_dim]
 
     @property
     def block(self) -> int:
         """Size of one rank's block along ``dim``."""
         return self.tensor.shape[self.dim] // self.world
-
-    @functools.cached_property
-    def piece_dim(self) -> int:
-        """The dim of one rank's shard (and of this view) that pieces split."""
-        shard_shape = list(self.tensor.shape)
-        shard_shape[self.dim] //= self.world
-        return piece_dim(shard_shape)
-
-    @property
-    def shard_rows(self) -> int:
-        """The rows of one rank's shard, along ``piece_dim`` (the pieces' ``rows``)."""
-        return self.tensor.shape[self.piece_dim] // (self.world if self.piece_dim == self.dim else 1)
 
     def observed(self) -> bool:
         """False if nothing but this view can reach its placeholder (the

@@ -85,9 +85,9 @@ from eagertp.backends.base import (
     chunk_rows,
     peer_error,
     reduce_scatter_then_gather,
+    piece_dim,
     shard_piece,
     wait_for_peer,
-    whole_rows,
 )
 from eagertp.trace import Meta, Reason, Text
 
@@ -170,6 +170,7 @@ class _P2PGather:
         self._what = Reason("all_gather of {}", Meta.of(shard))
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
+        self._whole = slice(0, rows[-1].stop)
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
         # (the ring's order, so that sums over chunks add as they always have).
         sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
@@ -237,7 +238,7 @@ class _P2PGather:
         chunks, rank = self._chunks, self._rank
         if consumer is not None:
             own = chunks[rank] if self._shard is None else self._shard
-            consumer(own, rank, whole_rows(own))
+            consumer(own, rank, self._whole)
         if own_chunk_unread:
             self._shard = None  # never filled: nothing will read it
         else:
@@ -287,6 +288,7 @@ class _ThreadedRing:
         self._links = _Links(group, Reason("all_gather of {}", Meta.of(shard)), tag)
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
+        self._whole = slice(0, rows[-1].stop)
         sources = [(rank - step) % world for step in range(1, world)]
         # Piece p: rows of shard sources[p // len(rows)], in the order they land.
         self._pieces = [(src, r) for src in sources for r in rows]
@@ -358,7 +360,7 @@ class _ThreadedRing:
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks, rank = self._chunks, self._rank
         if consumer is not None:
-            consumer(chunks[rank], rank, whole_rows(chunks[rank]))
+            consumer(chunks[rank], rank, self._whole)
         for p, (src, rows) in enumerate(self._pieces):
             self._land(p)
             if consumer is not None:
@@ -512,7 +514,7 @@ class _InterleavedAllReduce:
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks = self._chunks
         if consumer is not None:
-            consumer(chunks[self._rank], self._rank, whole_rows(chunks[self._rank]))
+            consumer(chunks[self._rank], self._rank, slice(0, self._rows[-1].stop))
         for i, (r, piece) in enumerate(zip(self._rows, self._peer_pieces)):
             self._reduced.wait(i)
             if consumer is not None:
@@ -660,10 +662,10 @@ PIECES: dict[str, tuple[int, int]] = {
 
 
 def pieces_of(t: torch.Tensor, rows: list[slice]) -> list[torch.Tensor]:
-    """``[shard_piece(t, r) for r in rows]``, with ``t`` itself for one piece
-    of all its rows (NB: the common case, and a view costs several us on the
-    ring's path)."""
-    if len(rows) == 1 and rows[0] == whole_rows(t):
+    """``[shard_piece(t, r) for r in rows]``, ``rows`` the ``piece_rows`` of a
+    tensor shaped as ``t``: one piece is ``t`` itself (NB: the common case, and
+    a view costs several us on the ring's path)."""
+    if len(rows) == 1:
         return [t]
     return [shard_piece(t, r) for r in rows]
 
@@ -676,7 +678,7 @@ def piece_rows(
     default_max, default_min = PIECES[kind]
     max_pieces = default_max if max_pieces is None else max_pieces
     min_bytes = default_min if min_bytes is None else min_bytes
-    n_rows = whole_rows(chunk).stop
+    n_rows = chunk.shape[piece_dim(chunk.shape)] if chunk.dim() else 1
     nbytes = chunk.numel() * chunk.element_size()
     pieces = max(1, min(max_pieces, n_rows, nbytes // max(min_bytes, 1)))
     bounds = [i * n_rows // pieces for i in range(pieces + 1)]
