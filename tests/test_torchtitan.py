@@ -39,27 +39,32 @@ class _TinyLlama(nn.Module):
         return self.output(self.norm(h))
 
 
-def _titan_worker(rank, group, batch):
+def _apply_tp(model: _TinyLlama, tp_mesh) -> None:
     """torchtitan's ``apply_tp`` (models/llama3/infra/parallelize.py) with
-    ``loss_parallel``, on the demo's blocks."""
-    from torch.distributed.device_mesh import DeviceMesh
+    ``loss_parallel``: the output stays sharded along the vocabulary; the
+    blocks take the demo's TP + SP plan, which follows torchtitan's."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     from eagertp.demo import tensor_parallel_plan
 
-    mesh = DeviceMesh.from_group(group, "cpu")
-    torch.manual_seed(0)
-    model = _TinyLlama()
-    parallelize_module(model, mesh, {
+    parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
     for layer in model.layers:
-        parallelize_module(layer, mesh, tensor_parallel_plan())
+        parallelize_module(layer, tp_mesh, tensor_parallel_plan())
+
+
+def _titan_worker(rank, group, batch):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = _TinyLlama()
+    _apply_tp(model, mesh)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (batch, 16), generator=g)
     labels = torch.randint(0, VOCAB, (batch, 16), generator=g)
@@ -130,12 +135,7 @@ def _titan_fsdp_worker(rank, group, steps=2):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
-    )
-
-    from eagertp.demo import tensor_parallel_plan
+    from torch.distributed.tensor.parallel import loss_parallel
 
     assert group.size() == dist.get_world_size() == 4
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -148,13 +148,8 @@ def _titan_fsdp_worker(rank, group, steps=2):
     def train(use_eagertp: bool):
         torch.manual_seed(0)
         model = _TinyLlama()
-        parallelize_module(model, mesh["tp"], {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        })
+        _apply_tp(model, mesh["tp"])
         for i, layer in enumerate(model.layers):
-            parallelize_module(layer, mesh["tp"], tensor_parallel_plan())
             model.layers[i] = checkpoint_wrapper(layer)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"])
