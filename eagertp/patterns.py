@@ -410,9 +410,10 @@ def shard_producer(product: Product, shard: torch.Tensor) -> ShardProducer:
     n = product.out.shape[1]
     per_row = _rows_per_piece_row(shard, n)  # product rows per row of shard
     assert per_row is not None, "gathered_product checked that a shard row holds whole product rows"
+    shard_rows = whole_rows(shard).stop
 
     def produce(piece: torch.Tensor, rows: slice) -> None:
-        start, stop, _ = rows.indices(whole_rows(shard).stop)  # ALL_ROWS too: every row
+        start, stop, _ = rows.indices(shard_rows)  # ALL_ROWS too: every row
         product.compute_rows(lambda t: t[start * per_row : stop * per_row], piece.view(-1, n))
 
     return produce
