@@ -149,19 +149,26 @@ class Engine:
         reads (or all of it, if it writes an input of pending work)."""
         if self.store.items:
             if func.namespace not in COLLECTIVE_NAMESPACES and _is_composite(func):
-                tensors = tensor_leaves(args, kwargs)
-                if self.store.touched(tensors) is not None:
-                    # NB: composite ops (matmul, linear) reach the mode whole when
-                    # autograd is off (inference_mode); their decomposition (view ->
-                    # mm -> _unsafe_view) is what the handlers understand. Re-enter
-                    # the mode so the decomposed ops come back here.
-                    assert self.mode is not None, "dispatch outside the block"
-                    with self.mode:
-                        result = func.decompose(*args, **kwargs)
-                    if result is not NotImplemented:
-                        return result
+                if self.store.touched(tensor_leaves(args, kwargs)) is not None:
+                    return self.decompose(func, args, kwargs)
             self.complete_for(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def decompose(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """Run a composite op as its decomposition, whose ops reach the mode.
+
+        NB: composite ops (linear, matmul) reach the mode whole only where
+        autograd is off (``inference_mode``: everywhere else autograd's key
+        decomposes them first); their decomposition (view -> mm ->
+        _unsafe_view) is what the handlers understand. The mode is off while
+        it handles an op: re-entered here, so the decomposed ops come back."""
+        assert self.mode is not None, f"eagertp: {func} dispatched outside the block"
+        with self.mode:
+            result = func.decompose(*args, **kwargs)
+        if result is NotImplemented:  # no composite kernel: run it whole
+            self.complete_for(func, args, kwargs)
+            return func(*args, **kwargs)
+        return result
 
     def complete_for(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
         """Complete what ``func`` needs: the pending items it reads (a view op

@@ -28,6 +28,16 @@ def _addmm(engine: Engine, func, args, kwargs):
 _SCALED_MM_ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
 
 
+@register([aten.linear.default, aten.matmul.default])
+def _whole_matmul(engine: Engine, func, args, kwargs):
+    """``linear`` and ``matmul`` whole: they reach the mode so only where
+    autograd is off (``inference_mode``). Decomposed, so that their mm or addmm
+    defers as it does in training: a reduce-scatter or all-reduce of its output
+    fuses (TP inference: HF ``generate`` under ``inference_mode``), and a gather
+    in flight feeds it."""
+    return engine.decompose(func, args, kwargs)
+
+
 @register([aten._scaled_mm.default])
 def _scaled_mm(engine: Engine, func, args, kwargs):
     """FP8 linears (float8 training): fused like mm, the scales riding along."""

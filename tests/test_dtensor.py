@@ -172,6 +172,48 @@ def test_dtensor_transformer_on_a_batch_of_one_gathers_in_pieces(pool, world):
         assert pieces["matmuls"] > whole["matmuls"], (pieces["matmuls"], whole["matmuls"])
 
 
+def _inference_worker(rank, group, sequence_parallel):
+    """The block's forward as TP inference runs it: under no_grad, and under
+    inference_mode, where composite ops (linear) reach the mode whole."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from eagertp.demo import TransformerBlock, tensor_parallel_plan
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = parallelize_module(TransformerBlock(16, 4), mesh, tensor_parallel_plan(sequence_parallel))
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    if sequence_parallel:
+        x = x.chunk(group.size(), dim=1)[rank].contiguous()
+    with torch.inference_mode():
+        expected = model(x)
+    report = {}
+    for grad_mode in (torch.no_grad, torch.inference_mode):
+        counter, pipe = OpCounter(), EagerMicroPipeline()
+        with grad_mode(), counter, pipe:
+            got = model(x)
+        report[grad_mode.__name__] = {
+            "close": torch.allclose(got, expected, rtol=1e-5, atol=1e-6),
+            "stats": dict(pipe.stats),
+            "issued": [op for op in counter.collectives if op not in ("send", "recv_")],
+        }
+    return report
+
+
+@pytest.mark.parametrize(
+    "sequence_parallel, stats",
+    [(True, {"all_gather_matmul": 2, "fused_matmuls": 4, "matmul_reduce_scatter": 2}), (False, {"matmul_all_reduce": 2})],
+    ids=["tp_sp", "tp"],
+)
+def test_dtensor_inference_fuses_every_tp_collective(pool, sequence_parallel, stats):
+    """TP inference: the forward under no_grad and under inference_mode fuses
+    the same collectives (attention's and the MLP's), with plain eager's output."""
+    for r in pool.run(_inference_worker, 2, sequence_parallel):
+        for grad_mode in ("no_grad", "inference_mode"):
+            assert r[grad_mode] == {"close": True, "stats": stats, "issued": []}, (grad_mode, r)
+
+
 def _autocast_transformer_worker(rank, group, min_fuse_bytes=None):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module

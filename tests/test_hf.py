@@ -12,7 +12,9 @@ equal plain eager (logits, loss, every gradient), every all-reduce of a matmul
 output must be fused, and every other collective unfused with its reason;
 every family run again with every shard in pieces, on a batch of two and
 on a batch of one, must also make each of its products all-gathered as it
-sends it (Note [Matmul + all-gather]).
+sends it (Note [Matmul + all-gather]). And Llama's greedy ``generate`` under
+``inference_mode`` (TP inference) must give plain eager's tokens with every
+matmul all-reduce fused.
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
@@ -92,6 +94,14 @@ def _hf_worker(rank, group, path, families):
         projections = [(n, type(p).__name__) for n, p in model.named_parameters() if n.endswith("proj.weight")]
         assert projections and all(kind == "DTensor" for _, kind in projections), (family, projections)
         reports[family] = _compare_step(model)
+        if family == "llama":
+            reports["llama generate"] = _compare_generate(model)
+            model.train()  # HF checkpoints its layers in training only
+            for reentrant in (False, True):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+                reports[f"llama checkpointed reentrant={reentrant}"] = _compare_step(model)
+            model.gradient_checkpointing_disable()
+            model.eval()
         if family in _IN_PIECES:
             reports[f"{family} in pieces"] = _compare_step(model, in_pieces=True)
             reports[f"{family} batch of one in pieces"] = _compare_step(model, in_pieces=True, batch=1)
@@ -137,6 +147,20 @@ def _compare_step(model, in_pieces: bool = False, batch: int = 2) -> dict:
         "eager_collectives": dict(collections.Counter(eager_counter.collectives)),
         "collectives": dict(collections.Counter(counter.collectives)),
     }
+
+
+def _compare_generate(model) -> dict:
+    """Greedy ``generate`` under ``inference_mode``, plain eager then under
+    EagerMicroPipeline: the same tokens, and what fused (TP inference)."""
+    # 4 sequences, so that each decode step's [4, 1, 64] rows split over 4 ranks
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+        pipe = EagerMicroPipeline()
+        with pipe:
+            got = model.generate(ids, max_new_tokens=4, do_sample=False)
+    return {"same_tokens": torch.equal(got, expected), "new_tokens": got.shape[1] - ids.shape[1],
+            "stats": dict(pipe.stats), "explain": pipe.explain()}
 
 
 @contextlib.contextmanager
@@ -196,6 +220,42 @@ def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(hf_reports)
         assert unfused[0].endswith("not fused [ring]: its input is not the pending output of a matmul"), unfused
         assert unfused[1].startswith("all_gather #0 f32[2, 8, 32] -> f32[8, 8, 32]"), unfused
         assert "not fused [ring]: no matmul consumed it before aten._log_softmax.default" in unfused[1], unfused
+
+
+def test_hf_generate_under_inference_mode_fuses_every_matmul_all_reduce(hf_reports):
+    """TP inference as HF runs it: greedy ``generate`` under ``inference_mode``
+    gives plain eager's tokens, and each forward (the prompt's, then one per
+    new token) fuses its 4 rowwise all-reduces (o_proj, down_proj in 2 layers).
+    Unfused, with their reasons: the embedding's all-reduce, and lm_head's
+    gather of the last position's logits, read whole by the sampler."""
+    for r in hf_reports["llama generate"]:
+        assert r["same_tokens"] and r["new_tokens"] == 4, r
+        assert r["stats"] == {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4}, r
+        lines = r["explain"].splitlines()
+        assert sum("fused with mm" in line for line in lines) == 16, r["explain"]
+        unfused = [line for line in lines if "fused with" not in line]
+        assert len(unfused) == 8, r["explain"]
+        assert sum(line.endswith("its input is not the pending output of a matmul") for line in unfused) == 4, unfused
+        assert sum("no matmul consumed it before aten._to_copy.default" in line for line in unfused) == 4, unfused
+
+
+@pytest.mark.parametrize("reentrant, fused", [(False, 17), (True, 19)], ids=["non_reentrant", "reentrant"])
+def test_hf_gradient_checkpointing_fuses_recomputed_all_reduces(hf_reports, reentrant, fused):
+    """HF's own ``gradient_checkpointing_enable()`` on the TP model: each
+    decoder layer's forward runs again in backward, and its all-reduces (o_proj,
+    down_proj) fuse again: reentrant, 4 more than the 15 of a step (its first
+    forward runs under no_grad, where HF all-reduces in place with raw c10d,
+    its inference path: fused too). Non-reentrant stops each layer's
+    recomputation once it has what backward saved, before its down_proj's
+    all-reduce (plain eager too): 2 more. The gradients are plain eager's."""
+    results = hf_reports[f"llama checkpointed reentrant={reentrant}"]
+    _check_common(results, "llama")
+    for r in results:
+        assert r["stats"] == {"matmul_all_reduce": fused, "unfused_all_reduce": 1, "unfused_all_gather": 1}, r
+        eager = r["eager_collectives"]
+        assert eager["all_reduce"] + eager.get("allreduce_", 0) == fused + 1, r
+        assert eager.get("allreduce_", 0) == (4 if reentrant else 0), r
+        assert "allreduce_" not in r["collectives"], r
 
 
 # family -> (plain eager's collectives, eagertp's stats, c10d ops eagertp issued as

@@ -188,6 +188,61 @@ def test_context_rules(pool, context):
         assert all(stats == FUSED_ONCE for stats in r["stats"]), r
 
 
+def _inference_products_worker(rank, group, form):
+    """A product and the collective it feeds, as TP inference writes it, under
+    ``inference_mode`` (where ``linear`` and ``matmul`` reach the mode whole)
+    and under ``no_grad`` (where autograd's key decomposes them first)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from helpers import OpCounter, reduce_scatter
+
+    x = integer_tensor((2, 4, 8), torch.float32, seed=rank)  # [B, S, K/W]: a row-parallel input
+    w = integer_tensor((6, 8), torch.float32, seed=5)
+    bias = integer_tensor((6,), torch.float32, seed=6)
+
+    def program():
+        if form == "linear + all_reduce":  # RowwiseParallel / HF "rowwise", as funcol
+            return all_reduce(F.linear(x, w), group)
+        if form == "linear + bias + raw all_reduce":  # Megatron-style, in place
+            y = F.linear(x, w, bias)
+            dist.all_reduce(y, group=group)
+            return y
+        if form == "matmul + reduce_scatter":  # sequence parallel: along S
+            return reduce_scatter(torch.matmul(x, w.t()), group, scatter_dim=1)
+        raise AssertionError(form)
+
+    expected = program()
+    report = {}
+    for grad_mode in (torch.no_grad, torch.inference_mode):
+        counter, pipe = OpCounter(), EagerMicroPipeline()
+        with grad_mode(), counter, pipe:
+            got = program()
+        report[grad_mode.__name__] = {
+            "ok": torch.equal(got, expected),
+            "stats": dict(pipe.stats),
+            "issued": [op for op in counter.collectives if op not in ("send", "recv_")],
+        }
+    return report
+
+
+@pytest.mark.parametrize(
+    "form, fused",
+    [
+        ("linear + all_reduce", "matmul_all_reduce"),
+        ("linear + bias + raw all_reduce", "matmul_all_reduce"),
+        ("matmul + reduce_scatter", "matmul_reduce_scatter"),
+    ],
+)
+def test_inference_mode_fuses_products_into_their_collectives(pool, form, fused):
+    """Under inference_mode a whole ``linear`` or ``matmul`` reaches the mode
+    when nothing is pending; decomposed, its mm or addmm defers as under
+    no_grad, and the collective of its output fuses (TP inference, HF
+    ``generate``). Bitwise equal, fused, and the collective never issued."""
+    for r in pool.run(_inference_products_worker, 2, form):
+        for grad_mode in ("no_grad", "inference_mode"):
+            assert r[grad_mode] == {"ok": True, "stats": {fused: 1}, "issued": []}, (grad_mode, r)
+
+
 # -- nothing lost, nothing accumulates ---------------------------------------------------
 
 
