@@ -12,9 +12,10 @@ equal plain eager (logits, loss, every gradient), every all-reduce of a matmul
 output must be fused, and every other collective unfused with its reason;
 every family run again with every shard in pieces, on a batch of two and
 on a batch of one, must also make each of its products all-gathered as it
-sends it (Note [Matmul + all-gather]). And Llama's greedy ``generate`` under
-``inference_mode`` (TP inference) must give plain eager's tokens with every
-matmul all-reduce fused.
+sends it (Note [Matmul + all-gather]). And Llama, in the stacks HF users run
+it in: greedy ``generate`` under ``inference_mode`` (TP inference), HF's own
+gradient checkpointing, and HF's FSDP2 x TP (``fsdp_size=2, tp_size=2``):
+plain eager's tokens or gradients, every matmul all-reduce fused.
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
@@ -102,6 +103,13 @@ def _hf_worker(rank, group, path, families):
                 reports[f"llama checkpointed reentrant={reentrant}"] = _compare_step(model)
             model.gradient_checkpointing_disable()
             model.eval()
+            # HF's own 2-D parallelism: FSDP2 over 2 replicas of 2-rank TP
+            assert dist.get_world_size(group) == 4, "fsdp_size=2 x tp_size=2 takes the pool's 4 ranks"
+            reports["llama fsdp x tp"] = _compare_step(AutoModelForCausalLM.from_pretrained(
+                os.path.join(path, family),
+                distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
+                dtype=torch.float32,
+            ))
         if family in _IN_PIECES:
             reports[f"{family} in pieces"] = _compare_step(model, in_pieces=True)
             reports[f"{family} batch of one in pieces"] = _compare_step(model, in_pieces=True, batch=1)
@@ -237,6 +245,29 @@ def test_hf_generate_under_inference_mode_fuses_every_matmul_all_reduce(hf_repor
         assert len(unfused) == 8, r["explain"]
         assert sum(line.endswith("its input is not the pending output of a matmul") for line in unfused) == 4, unfused
         assert sum("no matmul consumed it before aten._to_copy.default" in line for line in unfused) == 4, unfused
+
+
+def test_hf_fsdp_and_tp_fuses_the_tp_all_reduces(hf_reports):
+    """``DistributedConfig(tp_size=2, fsdp_size=2)``: HF shards the TP model
+    with FSDP2 over the other mesh dim. Every TP matmul all-reduce fuses
+    (Llama's 15). FSDP's collectives on the other dim read no matmul output
+    and feed no matmul: its 7 parameter all-gathers (4 in forward, unfused with
+    the reason; 3 in backward, its prefetches, overlapped the matmuls that ran
+    while they were in flight) and 4 gradient reduce-scatters. The embedding's
+    all-reduce and lm_head's gather as in the TP-only run. Loss, logits and
+    every gradient are plain eager's."""
+    for r in hf_reports["llama fsdp x tp"]:
+        _check_common([r], "llama")
+        assert r["stats"] == {
+            "matmul_all_reduce": 15, "unfused_all_reduce": 1,
+            "unfused_all_gather": 5, "overlapped_all_gather": 3, "unfused_reduce_scatter": 4,
+        }, r
+        eager = r["eager_collectives"]
+        assert eager["all_reduce"] == 16, eager  # TP's 15 + the embedding's
+        lines = r["explain"].splitlines()
+        assert sum("fused with mm" in line for line in lines) == 15, r["explain"]
+        fsdp_reads = [line for line in lines if "fsdp.split_with_sizes_copy" in line]
+        assert len(fsdp_reads) == 7 and all(line.startswith("all_gather") for line in fsdp_reads), r["explain"]
 
 
 @pytest.mark.parametrize("reentrant, fused", [(False, 17), (True, 19)], ids=["non_reentrant", "reentrant"])
