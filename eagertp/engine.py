@@ -120,6 +120,12 @@ class Engine:
             )
         return nbytes
 
+    def never_fused(self, rows: int, cols: int, device_type: str) -> bool:
+        """True if a product of ``rows x cols`` is too small for any reduce-
+        scatter or all-reduce of it to fuse: run at once, not deferred, while
+        nothing is pending (Note [Deferral boundary])."""
+        return rows * cols * _WIDEST_CAST < self._never_fused_below(device_type)
+
     def manages(self, group: dist.ProcessGroup) -> bool:
         return self.group is None or group.group_name == self.group.group_name
 
@@ -543,9 +549,8 @@ class Engine:
         """Defer a matmul: as a consumer of the gather in flight it reads, or
         standalone (a reduce-scatter may follow: Note [Deferral boundary])."""
         if not self.store.items and a.dim() == 2 and b.dim() == 2:
-            # Too small for any reduce-scatter of it to fuse: run it now
-            # (Note [Deferral boundary]). NB: the hot path of small matmuls.
-            if a.shape[0] * b.shape[1] * _WIDEST_CAST < self._never_fused_below(a.device.type):
+            # NB: the hot path of small matmuls.
+            if self.never_fused(a.shape[0], b.shape[1], a.device.type):
                 return self.run_matmul(func, args, kwargs)
         out_dtype, rejected = _matmul_out_dtype(a, b, bias, scaled)
         if out_dtype is None:

@@ -34,7 +34,16 @@ def _whole_matmul(engine: Engine, func, args, kwargs):
     autograd is off (``inference_mode``). Decomposed, so that their mm or addmm
     defers as it does in training: a reduce-scatter or all-reduce of its output
     fuses (TP inference: HF ``generate`` under ``inference_mode``), and a gather
-    in flight feeds it."""
+    in flight feeds it. While nothing is pending, one whose product could not
+    be deferred (batched, or too small for the size rule: a decode step's
+    projections on CPU) runs whole, as one op."""
+    if not engine.store.items:
+        a, b = args[0], args[1]
+        if a.dim() < 2 or b.dim() != 2:  # a matrix-vector or batched product: never deferred
+            return func._op(*args, **kwargs)
+        cols = b.shape[0] if func is aten.linear.default else b.shape[1]  # weight [N, K]; b [K, N]
+        if engine.never_fused(a.numel() // max(a.shape[-1], 1), cols, a.device.type):
+            return func._op(*args, **kwargs)
     return engine.decompose(func, args, kwargs)
 
 

@@ -243,6 +243,36 @@ def test_inference_mode_fuses_products_into_their_collectives(pool, form, fused)
             assert r[grad_mode] == {"ok": True, "stats": {fused: 1}, "issued": []}, (grad_mode, r)
 
 
+def _inference_whole_linear_worker(rank, group):
+    """A linear whose all-reduce the size rule issues as written (1 MiB here)
+    runs whole under inference_mode, one op, as plain eager runs it; one that
+    can fuse (``min_fuse_bytes=0``) is decomposed into its mm."""
+    import torch.nn.functional as F
+    from helpers import OpCounter
+
+    x = integer_tensor((2, 4, 8), torch.float32, seed=rank)
+    w = integer_tensor((6, 8), torch.float32, seed=5)
+    expected = all_reduce(F.linear(x, w), group)
+    report = {}
+    for min_fuse_bytes in (0, 1 << 20):
+        counter, pipe = OpCounter(), EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes)
+        with torch.inference_mode(), counter, pipe:
+            got = all_reduce(F.linear(x, w), group)
+        report[min_fuse_bytes] = {
+            "ok": torch.equal(got, expected),
+            "stats": dict(pipe.stats),
+            "linear": counter.counts["aten.linear.default"],
+            "matmuls": counter.matmuls,
+        }
+    return report
+
+
+def test_inference_mode_runs_a_linear_whole_where_nothing_could_fuse(pool):
+    for r in pool.run(_inference_whole_linear_worker, 2):
+        assert r[0] == {"ok": True, "stats": {"matmul_all_reduce": 1}, "linear": 0, "matmuls": 2}, r  # one per chunk
+        assert r[1 << 20] == {"ok": True, "stats": {"unfused_all_reduce": 1}, "linear": 1, "matmuls": 0}, r
+
+
 # -- nothing lost, nothing accumulates ---------------------------------------------------
 
 
