@@ -5,11 +5,14 @@ communication), timed in the same run.
     python benchmarks/train_step.py                    # 2 CPU ranks, plain loopback
     python benchmarks/train_step.py --link-rate 2gbit  # wire-limited loopback
     python benchmarks/train_step.py --no-sequence-parallel   # plain TP: all-reduces
+    python benchmarks/train_step.py --inference        # the forward alone, under inference_mode
 
 The model and the TP plan are the demo's (eagertp.demo); with
 ``--no-sequence-parallel`` the plan is plain TP (Colwise/Rowwise, activations
 replicated), whose collectives are all-reduces (matmul + all-reduce fused). Each sample is one
-forward + backward; the optimizer step is outside the timed region. CUDA and a
+forward + backward; the optimizer step is outside the timed region. With
+``--inference`` it is one forward under ``torch.inference_mode()``, as TP
+inference (a prefill) runs it. CUDA and a
 torch.compile peer (Inductor's micro-pipeline TP) are not measured here yet:
 the CPU machines this runs on have neither a GPU nor symmetric memory.
 
@@ -129,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--backend", default="auto", help="eagertp backend")
     parser.add_argument(
+        "--inference", action="store_true", help="time the forward alone, under torch.inference_mode()"
+    )
+    parser.add_argument(
         "--calibrate",
         action="store_true",
         help="measure the size rule on this link first (eagertp.calibrate_min_fuse_bytes, k = --dim) "
@@ -158,10 +164,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     def step(*contexts) -> torch.Tensor:
         with contextlib.ExitStack() as stack:
+            if args.inference:
+                stack.enter_context(torch.inference_mode())
             for context in contexts:
                 stack.enter_context(context)
             loss = F.mse_loss(model(x), torch.zeros_like(x))
-            loss.backward()
+            if not args.inference:
+                loss.backward()
         for p in model.parameters():
             p.grad = None
         return loss.detach()
@@ -233,7 +242,8 @@ def main(argv=None) -> int:
         f"train_step: {r['world_size']} ranks, gloo on {link}, "
         f"{'TP + SP' if r['sequence_parallel'] else 'TP without SP (all-reduces)'}, {r['layers']} blocks, "
         f"batch {r['batch']}, "
-        f"seq {r['seq']}, dim {r['dim']}; forward + backward, median of {args.repeats}"
+        f"seq {r['seq']}, dim {r['dim']}; "
+        f"{'forward under inference_mode' if args.inference else 'forward + backward'}, median of {args.repeats}"
     )
     if r["min_fuse_bytes"] is not None:
         print(f"  size rule calibrated on this link: min_fuse_bytes = {r['min_fuse_bytes']}")

@@ -26,7 +26,11 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("plan", [[], ["--no-sequence-parallel", "--calibrate"]], ids=["sp", "no_sp_calibrated"])
+@pytest.mark.parametrize(
+    "plan",
+    [[], ["--no-sequence-parallel", "--calibrate"], ["--no-sequence-parallel", "--inference"]],
+    ids=["sp", "no_sp_calibrated", "no_sp_inference"],
+)
 def test_train_step_reports_eagertp_against_unfused_and_the_bound(plan):
     out = _run("train_step.py", "--layers", "1", "--batch", "1", "--seq", "64", "--dim", "64", "--heads", "2",
                "--repeats", "1", "--warmup", "0", *plan)
@@ -37,7 +41,8 @@ def test_train_step_reports_eagertp_against_unfused_and_the_bound(plan):
     # the mode's cost and fusion's effect, split by the as-written row (which raises if it fused)
     assert re.search(r"as written +[\d.]+ ms +\(eagertp, every collective issued as written; unfused / as written", out), out
     assert re.search(r"fusing alone: as written / eagertp within each round: median [\d.]+x", out), out
-    assert ("size rule calibrated on this link: min_fuse_bytes = {" in out) == bool(plan), out
+    assert ("size rule calibrated on this link: min_fuse_bytes = {" in out) == ("--calibrate" in plan), out
+    assert ("forward under inference_mode" in out) == ("--inference" in plan), out
 
 
 def test_overlap_times_every_form():
