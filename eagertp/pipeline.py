@@ -175,10 +175,12 @@ class EagerMicroPipeline:
         """Complete everything pending now (fused where a pattern matched)."""
         self._engine.flush("flush() called")
 
-    def explain(self) -> str:
-        """One line per all-gather / reduce-scatter: what it fused with, or why
-        not; inside the block, gathers still in flight say so."""
-        return self._engine.trace.explain()
+    def explain(self, *, summary: bool = False) -> str:
+        """One line per all-gather / reduce-scatter / all-reduce: what it fused
+        with, or why not; inside the block, gathers still in flight say so.
+        ``summary=True``: one line per kind of collective and what became of
+        it, with its count (for loops over many steps or tokens)."""
+        return self._engine.trace.explain(summary=summary)
 
     def debug_string(self) -> str:
         """The ordered trace, with short stable tensor ids (``$0``) and shapes."""

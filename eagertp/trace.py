@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,6 +39,9 @@ import torch
 from eagertp._format import tensor_str
 
 log = logging.getLogger(__name__)
+
+# A tensor id in the trace ($12): which tensor, not what happened to it.
+_TENSOR_ID = re.compile(r"\$\d+")
 
 
 class Meta(NamedTuple):
@@ -117,6 +121,17 @@ class CollectiveRecord:
     # eagertp.collectives.all_gather).
     then_fused_with: list[Text] | None = None
 
+    def outcome(self) -> str:
+        """What became of it, without which one it was: ``fused [ring]``,
+        ``not fused [ring]: <reason>`` with tensor ids as ``$…``, ``in flight``;
+        what ``explain(summary=True)`` counts."""
+        if self.fused_with is not None:
+            return f"fused [{self.backend}]"
+        if self.reason is None:
+            return "in flight"
+        via = f" [{self.backend}]" if self.backend else ""
+        return f"not fused{via}: {_TENSOR_ID.sub('$…', str(self.reason))}"
+
     def render(self) -> str:
         head = f"{self.kind} #{self.index} {self.src} -> {self.dst} on {self.group}"
         if self.fused_with is not None:
@@ -183,10 +198,22 @@ class Trace:
     def debug_string(self) -> str:
         return "\n".join(render(*args) for render, args in self.events)
 
-    def explain(self) -> str:
+    def explain(self, *, summary: bool = False) -> str:
         if not self.collectives and not self.dropped:
             return "eagertp: no all-gather, reduce-scatter or all-reduce seen on a managed group"
-        lines = [r.render() for r in self.collectives]
+        lines = self._summary() if summary else [r.render() for r in self.collectives]
         if self.dropped:
             lines.insert(0, f"({self.dropped} earlier records dropped)")
         return "\n".join(lines)
+
+    def _summary(self) -> list[str]:
+        """A line per kind of collective and what became of it, with its count,
+        in the order each first happened."""
+        counts = collections.Counter((r.kind, r.outcome()) for r in self.collectives)
+        fused = sum(n for (_, outcome), n in counts.items() if outcome.startswith("fused"))
+        in_flight = sum(n for (_, outcome), n in counts.items() if outcome == "in flight")
+        total = len(self.collectives)
+        head = f"{total} collectives on managed groups: {fused} fused, {total - fused - in_flight} not fused"
+        if in_flight:
+            head += f", {in_flight} in flight"
+        return [head, *(f"{n:>6} x {kind} {outcome}" for (kind, outcome), n in counts.items())]

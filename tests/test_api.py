@@ -64,6 +64,7 @@ def test_explain_with_nothing_seen():
     with EagerMicroPipeline() as pipe:
         torch.ones(2) + 1
     assert pipe.explain() == "eagertp: no all-gather, reduce-scatter or all-reduce seen on a managed group"
+    assert pipe.explain(summary=True) == pipe.explain()
     assert pipe.debug_string() == ""
     assert not pipe.stats
 

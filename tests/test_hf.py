@@ -32,6 +32,7 @@ import os
 
 import pytest
 import torch
+from expecttest import assert_expected_inline
 from helpers import OpCounter
 from multirank import WORLD
 
@@ -168,7 +169,7 @@ def _compare_generate(model) -> dict:
         with pipe:
             got = model.generate(ids, max_new_tokens=4, do_sample=False)
     return {"same_tokens": torch.equal(got, expected), "new_tokens": got.shape[1] - ids.shape[1],
-            "stats": dict(pipe.stats), "explain": pipe.explain()}
+            "stats": dict(pipe.stats), "explain": pipe.explain(), "summary": pipe.explain(summary=True)}
 
 
 @contextlib.contextmanager
@@ -260,6 +261,13 @@ def test_hf_generate_under_inference_mode_fuses_every_matmul_all_reduce(hf_repor
         assert len(unfused) == stats["unfused_all_reduce"] + stats["unfused_all_gather"], r["explain"]
         reduces = [line for line in unfused if line.startswith("all_reduce")]
         assert all(line.endswith("its input is not the pending output of a matmul") for line in reduces), reduces
+    if family == "llama":  # explain(summary=True): what a whole generate did, a line per outcome
+        assert_expected_inline(hf_reports["llama generate"][0]["summary"], """\
+24 collectives on managed groups: 16 fused, 8 not fused
+     4 x all_reduce(sum) not fused [ring]: its input is not the pending output of a matmul
+    16 x all_reduce(sum) fused [ring]
+     1 x all_gather not fused [ring]: no matmul consumed it before aten._to_copy.default read $…, and none ran while it was in flight
+     3 x all_gather not fused [ring]: no matmul consumed it before aten._to_copy.default read $…, and none ran while it was in flight; mm -> $… made its shard first: f32[4, 1, 32] travels in one piece (Note [Pieces]): nothing to overlap its making with""")
 
 
 def test_hf_fsdp_and_tp_fuses_the_tp_all_reduces(hf_reports):

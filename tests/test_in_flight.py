@@ -187,12 +187,15 @@ def _two_in_flight_worker(rank, group, read_second_first: bool):
     with counter, EagerMicroPipeline() as pipe:
         ys = [all_gather(x, group) for x in xs]
         in_flight = pipe.explain()
+        in_flight_summary = pipe.explain(summary=True)
         ys = [y @ w for y, w in zip(ys, ws)]
         order = [1, 0] if read_second_first and rank % 2 == 0 else [0, 1]
         got = {i: ys[i].clone() for i in order}
     return {
         "ok": [torch.equal(got[i], expected[i]) for i in range(2)],
         "in_flight": in_flight,
+        "in_flight_summary": in_flight_summary,
+        "summary": pipe.explain(summary=True),
         "trace": pipe.debug_string(),
         **fusion_report(pipe, counter),
     }
@@ -214,6 +217,13 @@ def test_gathers_in_flight_complete_in_any_order_on_each_rank(pool, backend, wor
     lines = results[0]["in_flight"].splitlines()
     assert [line.split(" f32")[0] for line in lines] == ["all_gather #0", "all_gather #1"], lines
     assert all(line.endswith(f"({world} ranks): in flight [{backend}]") for line in lines), lines
+    # explain(summary=True): the same, counted by outcome.
+    assert results[0]["in_flight_summary"] == (
+        "2 collectives on managed groups: 0 fused, 0 not fused, 2 in flight\n     2 x all_gather in flight"
+    ), results[0]["in_flight_summary"]
+    assert results[0]["summary"] == (
+        f"2 collectives on managed groups: 2 fused, 0 not fused\n     2 x all_gather fused [{backend}]"
+    ), results[0]["summary"]
 
 
 def _read_leaves_other_gather_worker(rank, group):
