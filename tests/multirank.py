@@ -10,15 +10,24 @@ group's timeout (``COLLECTIVE_TIMEOUT``), and ``run`` gives up after ``timeout``
 seconds, kills the workers and fails the test. After any failure the pool is
 restarted, so one broken test cannot leave a half-finished collective behind
 for the next.
+
+A worker that dies unexpectedly fails the test with ``WorkerDied``, which says
+how each dead rank ended (exit code or signal), what ``faulthandler`` wrote
+when it crashed (every thread's Python stack), and the jobs the pool ran
+before: a crash from memory corrupted earlier may surface tests later.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -69,7 +78,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection) -> None:
+def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection, crash_log: str) -> None:
+    import faulthandler
+
+    # NB: kept open for the process's life: faulthandler writes to its descriptor.
+    faulthandler.enable(file=open(crash_log, "w"), all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -115,14 +128,20 @@ class WorkerPool:
     def __init__(self) -> None:
         self._procs: list[mp.Process] = []
         self._conns: list[multiprocessing.connection.Connection] = []
+        self._crash_dir = tempfile.mkdtemp(prefix="eagertp-workers-")
+        self._recent: collections.deque[str] = collections.deque(maxlen=10)  # jobs since the pool started
         self._start()
+
+    def _crash_log(self, rank: int) -> str:
+        return os.path.join(self._crash_dir, f"rank{rank}.log")
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
+        self._recent.clear()
         for rank in range(WORLD):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, port, child), daemon=True)
+            proc = ctx.Process(target=_worker, args=(rank, port, child, self._crash_log(rank)), daemon=True)
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent)
@@ -145,6 +164,24 @@ class WorkerPool:
                 proc.kill()
                 proc.join()
         self._procs, self._conns = [], []
+        shutil.rmtree(self._crash_dir, ignore_errors=True)
+
+    def _how_workers_died(self) -> str:
+        """For WorkerDied: how each dead rank ended, what faulthandler wrote,
+        and the jobs the pool ran since it started."""
+        lines = []
+        for rank, proc in enumerate(self._procs):
+            proc.join(timeout=2)
+            if proc.exitcode is None:
+                continue
+            code = proc.exitcode
+            lines.append(f"rank {rank}: " + (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"))
+            with open(self._crash_log(rank), errors="replace") as f:
+                crash = f.read()[-4000:]
+            if crash:
+                lines.append(f"rank {rank}'s faulthandler:\n{crash}")
+        lines.append("jobs since the pool started, oldest first:\n  " + "\n  ".join(self._recent))
+        return "\n".join(lines)
 
     def restart(self) -> None:
         for proc in self._procs:
@@ -169,6 +206,7 @@ class WorkerPool:
         are broken)."""
         assert 1 <= world_size <= WORLD, f"world_size {world_size} not in 1..{WORLD}"
         job = _Job(fn, world_size, args)
+        self._recent.append(f"{fn.__name__} on {world_size} ranks, args {args!r:.100}")
         deadline = time.monotonic() + timeout
         replies: list[tuple[str, Any] | None] = [None] * WORLD
         try:
@@ -188,8 +226,11 @@ class WorkerPool:
                         raise
                     replies[rank] = ("ok", None)
         except (EOFError, OSError) as e:  # a worker process died (e.g. gloo aborted it)
+            how = self._how_workers_died()
             self.restart()
-            raise WorkerDied(f"{fn.__name__} on {world_size} ranks: a worker process died ({e!r}); pool restarted") from e
+            raise WorkerDied(
+                f"{fn.__name__} on {world_size} ranks: a worker process died ({e!r}); pool restarted\n{how}"
+            ) from e
         if dying_ranks:
             self.restart()
         errors = [f"--- rank {r} ---\n{rep[1]}" for r, rep in enumerate(replies) if rep[0] == "error"]

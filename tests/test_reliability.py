@@ -48,6 +48,28 @@ def test_verify_names_mismatched_shapes_under_the_size_rule(pool, min_fuse_bytes
     assert "(rank 0: all_gather of f32[2, 4]; rank 1: all_gather of f32[3, 4])" in messages[0], messages[0]
 
 
+def _crash_worker(rank, group):
+    import os
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return rank
+
+
+def test_a_crashed_worker_fails_the_test_saying_how_and_where(pool):
+    """Test infrastructure: a rank that crashes (here a segfault it sends
+    itself) fails the test with how it ended, every thread's Python stack
+    from faulthandler, and the jobs the pool ran before it, where memory
+    corrupted by an earlier test would have come from."""
+    with pytest.raises(WorkerDied) as failed:
+        pool.run(_crash_worker, 2, timeout=60)
+    message = str(failed.value)
+    assert "rank 1: killed by SIGSEGV" in message, message
+    assert "Fatal Python error: Segmentation fault" in message and "_crash_worker" in message, message
+    assert "jobs since the pool started, oldest first:\n  " in message and "_crash_worker on 2 ranks" in message, message
+
+
 def test_mismatched_shapes_without_verify_fail_like_plain_eager(pool):
     """Plain eager on gloo aborts the process ("Received data size doesn't match
     expected size"); eagertp's ring does the same. Never a silent result."""
