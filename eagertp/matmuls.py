@@ -64,10 +64,32 @@ def _scaled_mm(engine: Engine, func, args, kwargs):
 @register([aten.bmm.default, aten.baddbmm.default])
 def _batched(engine: Engine, func, args, kwargs):
     """Attention's batched matmuls: never deferred, but work that overlaps the
-    gathers in flight (Note [Overlap accounting])."""
+    gathers in flight (Note [Overlap accounting]). A ``bmm`` that is a matmul
+    in disguise is deferred as that matmul (``_as_mm``)."""
+    if func is aten.bmm.default and not kwargs:
+        as_mm = _as_mm(*args)
+        if as_mm is not None:
+            a, b, shape = as_mm
+            return engine.defer_matmul(aten.mm.default, (a, b), {}, a, b).view(shape)
     if engine.store.items:
         engine.complete_for(func, args, kwargs)
     return engine.run_matmul(func, args, kwargs)
+
+
+def _as_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Size] | None:
+    """``bmm(a, b)`` as ``mm(a2, b2).view(shape)``, where it is one: a batch of
+    one (``torch.einsum`` writes a linear so, ``[1, B*S, K] @ [1, K, N]``), or
+    the same matrix ``b`` for every batch (``torch.matmul`` of a 3-D input it
+    cannot fold into rows, with a weight that does not require grad, broadcasts
+    it with stride 0) and rows of ``a`` that view as ``[B*M, K]``. Then a
+    collective of its output, or a gather it reads, fuses as for ``mm``."""
+    batch, m, k = a.shape
+    n = b.shape[2]
+    if batch == 1:
+        return a[0], b[0], torch.Size((1, m, n))
+    if b.stride(0) == 0 and (m == 1 or a.stride(0) == m * a.stride(1)):  # a's batches: consecutive blocks of rows
+        return a.view(batch * m, k), b[0], torch.Size((batch, m, n))
+    return None
 
 
 @register([aten.add.Tensor])

@@ -444,3 +444,79 @@ def test_autocast_cast_of_a_product_all_reduce_fuses(pool, world):
         assert r["stats"].get("matmul_all_reduce") == 2, r
         assert "unfused_all_reduce" not in r["stats"], r
         assert r["plain_all_reduces"] == 0 and r["p2p_ops"] > 0, r
+
+
+# -- matmuls that arrive as bmm ------------------------------------------------------
+
+
+def _bmm_as_mm_worker(rank, group, form):
+    """Products that reach the mode as ``bmm`` though each is one matmul:
+    ``torch.einsum`` writes a linear as a batch-of-one ``bmm``; ``torch.matmul``
+    of a 3-D input it cannot fold into rows (the last position, as HF's
+    lm_head reads it) broadcasts a weight that does not require grad."""
+    from helpers import all_gather
+
+    x = integer_tensor((2, 4, 8), torch.float32, seed=rank)
+    w = integer_tensor((6, 8), torch.float32, seed=5)
+
+    def program():
+        if form == "einsum + all_reduce":
+            return all_reduce(torch.einsum("bsk,nk->bsn", x, w), group)
+        if form == "all_gather + einsum":  # sequence parallel: the gather along S feeds it
+            return torch.einsum("bsk,nk->bsn", all_gather(x, group, gather_dim=1), w)
+        if form == "last position + all_reduce":
+            return all_reduce(torch.matmul(x[:, -1:, :], w.t()), group)
+        raise AssertionError(form)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), "bmm": counter.counts["aten.bmm.default"], **_report(pipe, counter)}
+
+
+@pytest.mark.parametrize(
+    "form, stats",
+    [
+        ("einsum + all_reduce", {"matmul_all_reduce": 1}),
+        ("all_gather + einsum", {"all_gather_matmul": 1, "fused_matmuls": 1}),
+        ("last position + all_reduce", {"matmul_all_reduce": 1}),
+    ],
+)
+def test_a_bmm_that_is_one_matmul_fuses_as_mm(pool, form, stats):
+    """Bitwise equal, fused, and no bmm left: it ran as mm pieces."""
+    for r in pool.run(_bmm_as_mm_worker, 2, form):
+        assert r["ok"], r
+        _assert_fused(r, stats)
+        assert r["bmm"] == 0, r
+
+
+def _einsum_sp_worker(rank, group):
+    """An MLP written with ``torch.einsum``, tensor + sequence parallel through
+    funcol's autograd collectives, trained one step: forward and backward
+    bmm's of a batch of one run as mm, and every collective fuses."""
+    import torch.distributed._functional_collectives as funcol
+
+    x0 = integer_tensor((2, 4, 16), torch.float32, seed=10 + rank)  # [B, S/W, D]
+    w1, w2 = integer_tensor((12, 16), torch.float32, seed=20 + rank), integer_tensor((16, 12), torch.float32, seed=30 + rank)
+
+    def step():
+        x, a, b = (t.clone().requires_grad_(True) for t in (x0, w1, w2))
+        h = funcol.all_gather_tensor_autograd(x, 1, group)
+        u = torch.einsum("bsk,nk->bsn", h, a).relu()
+        y = funcol.reduce_scatter_tensor_autograd(torch.einsum("bsn,kn->bsk", u, b), "sum", 1, group)
+        y.pow(2).sum().backward()
+        return [y.detach(), x.grad, a.grad, b.grad]
+
+    expected = step()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = step()
+    return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], **_report(pipe, counter)}
+
+
+def test_an_einsum_mlp_trains_with_every_collective_fused(pool):
+    for r in pool.run(_einsum_sp_worker, 2):
+        assert all(r["ok"]), r
+        # forward: the gather feeds the first einsum, the second's product is
+        # reduce-scattered; backward: the same two, the other way round
+        assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
+        assert r["plain_all_gathers"] == 0 and r["plain_reduce_scatters"] == 0, r

@@ -266,8 +266,7 @@ def test_hf_generate_under_inference_mode_fuses_every_matmul_all_reduce(hf_repor
 24 collectives on managed groups: 16 fused, 8 not fused
      4 x all_reduce(sum) not fused [ring]: its input is not the pending output of a matmul
     16 x all_reduce(sum) fused [ring]
-     1 x all_gather not fused [ring]: no matmul consumed it before aten._to_copy.default read $…, and none ran while it was in flight
-     3 x all_gather not fused [ring]: no matmul consumed it before aten._to_copy.default read $…, and none ran while it was in flight; mm -> $… made its shard first: f32[4, 1, 32] travels in one piece (Note [Pieces]): nothing to overlap its making with""")
+     4 x all_gather not fused [ring]: no matmul consumed it before aten._to_copy.default read $…, and none ran while it was in flight; mm -> $… made its shard first: f32[4, 1, 32] travels in one piece (Note [Pieces]): nothing to overlap its making with""")
 
 
 def test_hf_fsdp_and_tp_fuses_the_tp_all_reduces(hf_reports):
