@@ -4,6 +4,8 @@ feed them chunk by chunk, or so that a reduce-scatter can produce from them
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from eagertp.deferred import Scaled
@@ -45,6 +47,31 @@ def _whole_matmul(engine: Engine, func, args, kwargs):
         if engine.never_fused(a.numel() // max(a.shape[-1], 1), cols, a.device.type):
             return func._op(*args, **kwargs)
     return engine.decompose(func, args, kwargs)
+
+
+@register([aten.einsum.default])
+def _einsum(engine: Engine, func, args, kwargs):
+    """``einsum`` whole (``inference_mode``, as ``linear`` above): decomposed,
+    so that a linear it writes runs as a ``bmm`` that defers as an mm
+    (``_as_mm``), unless nothing is pending and its output is too small for
+    any collective of it to fuse."""
+    if not engine.store.items:
+        equation, operands = args[0], args[1]
+        out = _einsum_out_numel(equation, operands)
+        if out is not None and operands and engine.never_fused(out, 1, operands[0].device.type):
+            return func._op(*args, **kwargs)
+    return engine.decompose(func, args, kwargs)
+
+
+def _einsum_out_numel(equation: str, operands: list[torch.Tensor]) -> int | None:
+    """The number of elements ``einsum(equation, *operands)`` makes, for an
+    explicit equation without ellipsis; None for any other."""
+    inputs, arrow, output = equation.replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if not arrow or "." in equation or len(terms) != len(operands):
+        return None
+    sizes = {letter: size for term, t in zip(terms, operands) for letter, size in zip(term, t.shape)}
+    return math.prod(sizes.get(letter, 1) for letter in output)
 
 
 @register([aten._scaled_mm.default])

@@ -231,6 +231,8 @@ def _inference_products_worker(rank, group, form):
             return y
         if form == "matmul + reduce_scatter":  # sequence parallel: along S
             return reduce_scatter(torch.matmul(x, w.t()), group, scatter_dim=1)
+        if form == "einsum + all_reduce":  # a linear written as einsum: a bmm of a batch of one
+            return all_reduce(torch.einsum("bsk,nk->bsn", x, w), group)
         raise AssertionError(form)
 
     expected = program()
@@ -253,11 +255,12 @@ def _inference_products_worker(rank, group, form):
         ("linear + all_reduce", "matmul_all_reduce"),
         ("linear + bias + raw all_reduce", "matmul_all_reduce"),
         ("matmul + reduce_scatter", "matmul_reduce_scatter"),
+        ("einsum + all_reduce", "matmul_all_reduce"),
     ],
 )
 def test_inference_mode_fuses_products_into_their_collectives(pool, form, fused):
-    """Under inference_mode a whole ``linear`` or ``matmul`` reaches the mode
-    when nothing is pending; decomposed, its mm or addmm defers as under
+    """Under inference_mode a whole ``linear``, ``matmul`` or ``einsum`` reaches
+    the mode when nothing is pending; decomposed, its mm or addmm defers as under
     no_grad, and the collective of its output fuses (TP inference, HF
     ``generate``). Bitwise equal, fused, and the collective never issued."""
     for r in pool.run(_inference_products_worker, 2, form):
@@ -265,34 +268,39 @@ def test_inference_mode_fuses_products_into_their_collectives(pool, form, fused)
             assert r[grad_mode] == {"ok": True, "stats": {fused: 1}, "issued": []}, (grad_mode, r)
 
 
-def _inference_whole_linear_worker(rank, group):
-    """A linear whose all-reduce the size rule issues as written (1 MiB here)
-    runs whole under inference_mode, one op, as plain eager runs it; one that
-    can fuse (``min_fuse_bytes=0``) is decomposed into its mm."""
+def _inference_whole_linear_worker(rank, group, op):
+    """A linear (or einsum) whose all-reduce the size rule issues as written
+    (1 MiB here) runs whole under inference_mode, one op, as plain eager runs
+    it; one that can fuse (``min_fuse_bytes=0``) is decomposed into its mm."""
     import torch.nn.functional as F
     from helpers import OpCounter
 
     x = integer_tensor((2, 4, 8), torch.float32, seed=rank)
     w = integer_tensor((6, 8), torch.float32, seed=5)
-    expected = all_reduce(F.linear(x, w), group)
+
+    def product():
+        return F.linear(x, w) if op == "linear" else torch.einsum("bsk,nk->bsn", x, w)
+
+    expected = all_reduce(product(), group)
     report = {}
     for min_fuse_bytes in (0, 1 << 20):
         counter, pipe = OpCounter(), EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes)
         with torch.inference_mode(), counter, pipe:
-            got = all_reduce(F.linear(x, w), group)
+            got = all_reduce(product(), group)
         report[min_fuse_bytes] = {
             "ok": torch.equal(got, expected),
             "stats": dict(pipe.stats),
-            "linear": counter.counts["aten.linear.default"],
+            "whole": counter.counts[f"aten.{op}.default"],
             "matmuls": counter.matmuls,
         }
     return report
 
 
-def test_inference_mode_runs_a_linear_whole_where_nothing_could_fuse(pool):
-    for r in pool.run(_inference_whole_linear_worker, 2):
-        assert r[0] == {"ok": True, "stats": {"matmul_all_reduce": 1}, "linear": 0, "matmuls": 2}, r  # one per chunk
-        assert r[1 << 20] == {"ok": True, "stats": {"unfused_all_reduce": 1}, "linear": 1, "matmuls": 0}, r
+@pytest.mark.parametrize("op", ["linear", "einsum"])
+def test_inference_mode_runs_a_linear_whole_where_nothing_could_fuse(pool, op):
+    for r in pool.run(_inference_whole_linear_worker, 2, op):
+        assert r[0] == {"ok": True, "stats": {"matmul_all_reduce": 1}, "whole": 0, "matmuls": 2}, r  # one per chunk
+        assert r[1 << 20] == {"ok": True, "stats": {"unfused_all_reduce": 1}, "whole": 1, "matmuls": 0}, r
 
 
 # -- nothing lost, nothing accumulates ---------------------------------------------------
