@@ -176,8 +176,11 @@ class WorkerPool:
                 continue
             code = proc.exitcode
             lines.append(f"rank {rank}: " + (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"))
-            with open(self._crash_log(rank), errors="replace") as f:
-                crash = f.read()[-4000:]
+            try:
+                with open(self._crash_log(rank), errors="replace") as f:
+                    crash = f.read()[-4000:]
+            except OSError:  # it died before faulthandler opened its file
+                crash = ""
             if crash:
                 lines.append(f"rank {rank}'s faulthandler:\n{crash}")
         lines.append("jobs since the pool started, oldest first:\n  " + "\n  ".join(self._recent))
