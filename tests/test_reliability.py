@@ -63,18 +63,49 @@ def test_a_crashed_worker_fails_the_test_saying_how_and_where(pool):
     from faulthandler, and the jobs the pool ran before it, where memory
     corrupted by an earlier test would have come from."""
     with pytest.raises(WorkerDied) as failed:
-        pool.run(_crash_worker, 2, timeout=60)
+        pool.run(_crash_worker, 2, timeout=60, rerun_after_crash=False)
     message = str(failed.value)
     assert "rank 1: killed by SIGSEGV" in message, message
     assert "Fatal Python error: Segmentation fault" in message and "_crash_worker" in message, message
-    assert "jobs since the pool started, oldest first:\n  " in message and "_crash_worker on 2 ranks" in message, message
+    assert "jobs since the pool started (" in message and "_crash_worker on 2 ranks" in message, message
+
+
+def _crash_once_worker(rank, group, marker):
+    """Rank 1 segfaults unless ``marker`` exists, which it creates first."""
+    import os
+    import signal
+
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return rank
+
+
+def test_a_job_whose_worker_crashed_once_passes_on_a_fresh_pool_and_the_crash_is_kept(pool, tmp_path):
+    """Test infrastructure, Note [A crash, run again]: the job runs once more
+    on a fresh pool; its crash report is kept and warned about, not dropped."""
+    from multirank import WorkerCrashWarning
+
+    before = len(pool.crashes)
+    with pytest.warns(WorkerCrashWarning, match="rank 1: killed by SIGSEGV"):
+        assert pool.run(_crash_once_worker, 2, str(tmp_path / "crashed"), timeout=60) == [0, 1]
+    assert len(pool.crashes) == before + 1
+    assert "_crash_once_worker" in pool.crashes.pop(), "a crash the test made on purpose: not for the summary"
+
+
+def test_a_job_whose_worker_crashes_twice_fails_with_both_reports(pool):
+    with pytest.raises(WorkerDied) as failed:
+        pool.run(_crash_worker, 2, timeout=60)
+    pool.crashes.pop()  # made on purpose
+    assert str(failed.value).count("rank 1: killed by SIGSEGV") == 2, str(failed.value)
+    assert "It died the first time too:" in str(failed.value)
 
 
 def test_mismatched_shapes_without_verify_fail_like_plain_eager(pool):
     """Plain eager on gloo aborts the process ("Received data size doesn't match
     expected size"); eagertp's ring does the same. Never a silent result."""
     with pytest.raises((WorkerDied, RankError)):
-        pool.run(_mismatch_worker, 2, False, timeout=40)
+        pool.run(_mismatch_worker, 2, False, timeout=40, rerun_after_crash=False)
 
 
 # -- schedule invariance ---------------------------------------------------------------
