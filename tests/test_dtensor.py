@@ -249,3 +249,72 @@ def test_dtensor_transformer_under_bf16_autocast_fuses_every_tp_collective(pool,
         torch.testing.assert_close(r["loss"][1], r["loss"][0], rtol=1e-3, atol=1e-3)
         assert all(r["grads_close"]), r["grads_close"]
         assert r["stats"] == {"all_gather_matmul": 4, "fused_matmuls": 8, "matmul_reduce_scatter": 4}, r
+
+
+def _whole_step_worker(rank, group, sequence_parallel):
+    """Forward, backward, ``clip_grad_norm_`` and AdamW's step (both foreach,
+    on DTensors), all inside the block, for three steps."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from eagertp.demo import TransformerBlock, tensor_parallel_plan
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+
+    def train(ctx):
+        torch.manual_seed(0)
+        model = parallelize_module(TransformerBlock(16, 4), mesh, tensor_parallel_plan(sequence_parallel))
+        # NB: without SP the norms stay plain tensors, which clip_grad_norm_ cannot mix with DTensors.
+        clipped = [p for p in model.parameters() if isinstance(p, DTensor)]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        norms, stats = [], []
+        for step in range(3):
+            x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step))
+            if sequence_parallel:
+                x = x.chunk(group.size(), dim=1)[rank].contiguous()
+            with ctx:
+                model(x).pow(2).mean().backward()
+                norms.append(torch.nn.utils.clip_grad_norm_(clipped, 0.5).full_tensor())
+                opt.step()
+                opt.zero_grad()
+            stats.append(dict(ctx.stats) if isinstance(ctx, EagerMicroPipeline) else None)
+        return torch.stack(norms), [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()], stats
+
+    expected_norms, expected_params, _ = train(contextlib.nullcontext())
+    pipe = EagerMicroPipeline()
+    norms, params, stats = train(pipe)
+    return {
+        "norms": (expected_norms, norms),
+        "params_close": [torch.allclose(p, e, rtol=1e-4, atol=1e-6) for p, e in zip(params, expected_params)],
+        "stats": stats,
+        "unfused": [line for line in pipe.explain().splitlines() if "not fused" in line],
+    }
+
+
+@pytest.mark.parametrize(
+    "sequence_parallel, stats, unfused",
+    [
+        # SP: the norms' 4 gradients stay Partial, so DTensor all-reduces them where the clip
+        # reads them (4, then its stack of 12 norms) and 3 times each in AdamW's step (12), as
+        # in plain eager: none of them a matmul's.
+        (True, {"all_gather_matmul": 4, "fused_matmuls": 8, "matmul_reduce_scatter": 4, "unfused_all_reduce": 17},
+         {"f32[16]": 16, "f32[12]": 1}),
+        # No SP: forward's 2 and backward's 4 (q, k, v and w1's input gradients), then the clip's.
+        (False, {"matmul_all_reduce": 6, "unfused_all_reduce": 1}, {"f32[8]": 1}),
+    ],
+    ids=["tp_sp", "tp"],
+)
+def test_dtensor_whole_step_with_clipping_and_adamw_inside_the_block(pool, sequence_parallel, stats, unfused):
+    """The training step as loops write it, optimizer and clipping inside the
+    block: every TP matmul collective fuses every step; DTensor's all-reduces
+    of small replicated tensors (norm gradients, the clip's norms) are issued
+    as written with their reason; norms and trained weights are plain eager's."""
+    for r in pool.run(_whole_step_worker, 2, sequence_parallel):
+        torch.testing.assert_close(r["norms"][1], r["norms"][0], rtol=1e-5, atol=1e-6)
+        assert all(r["params_close"]), r["params_close"]
+        assert r["stats"] == [stats] * 3, r["stats"]
+        for meta, count in unfused.items():
+            reason = f"not fused: {meta} is one row (all dims but the last), which does not split over 2 ranks"
+            assert sum(reason in line for line in r["unfused"]) == count, r["unfused"]
+        assert len(r["unfused"]) == sum(unfused.values()), r["unfused"]

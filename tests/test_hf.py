@@ -322,7 +322,7 @@ _OTHER_PLANS = {
         {"all_reduce": 16, "allreduce_": 4, "all_gather_into_tensor": 1},
         {"matmul_all_reduce": 15, "unfused_all_reduce": 5, "unfused_all_gather": 1},
         {"allreduce_": 4},
-        [(4, "not fused: the rows of f32[128] (all dims but the last) do not split over 4 ranks"),
+        [(4, "not fused: f32[128] is one row (all dims but the last), which does not split over 4 ranks"),
          (1, "not fused [ring]: its input is not the pending output of a matmul"),
          (1, "not fused [ring]: no matmul consumed it before aten._log_softmax.default")],
     ),

@@ -203,5 +203,5 @@ def test_torchtitan_stack_fsdp2_tp_checkpointing_loss_parallel(pool):
         assert all(r["params_close"].values()), r["params_close"]
         assert r["stats"] == [_STACK_STATS] * 2, r["stats"]
         unfused = [line for line in r["explain"].splitlines() if "not fused" in line]
-        norms = "not fused: the rows of f32[16] (all dims but the last) do not split over 2 ranks"
+        norms = "not fused: f32[16] is one row (all dims but the last), which does not split over 2 ranks"
         assert sum(norms in line for line in unfused) == 2 * (2 * LAYERS + 1), r["explain"]

@@ -167,7 +167,9 @@ def _why_all_reduce_as_written(
         return too_small
     if inp.numel() == 0:
         return "it is empty"
-    if inp.dim() < 2 or inp.numel() // inp.shape[-1] % world:
+    if inp.dim() < 2:
+        return f"{tensor_str(inp)} is one row (all dims but the last), which does not split over {world} ranks"
+    if inp.numel() // inp.shape[-1] % world:
         return f"the rows of {tensor_str(inp)} (all dims but the last) do not split over {world} ranks"
     if in_place and not inp.is_contiguous():
         return f"it reduces a non-contiguous {tensor_str(inp)} in place"
