@@ -277,6 +277,61 @@ def test_megatron_style_c10d_mlp_fuses_forward_and_backward(pool, world, async_o
         assert_moved_by(backend, r)
 
 
+def _ddp_megatron_worker(rank, group, manage_every_group):
+    """DDP over dp of a Megatron-style TP MLP (raw c10d over tp) on a 2 x 2
+    mesh: DDP's gradient bucket all-reduce, issued from autograd's hooks on
+    the dp group, next to the TP all-reduces."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"].get_group(), mesh["dp"].get_group()
+
+    def all_reduce_in_place(t):
+        t = t.contiguous()
+        dist.all_reduce(t, group=tp)
+        return t
+
+    CopyToTP, ReduceFromTP = _megatron_functions(all_reduce_in_place)
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(integer_tensor((64, 32), torch.float32, seed=10 + mesh["tp"].get_local_rank()))
+            self.w2 = nn.Parameter(integer_tensor((32, 64), torch.float32, seed=20 + mesh["tp"].get_local_rank()))
+
+        def forward(self, x):
+            return ReduceFromTP.apply(F.linear(torch.relu(F.linear(CopyToTP.apply(x), self.w1)), self.w2))
+
+    def step(ctx):
+        model = DDP(MLP(), process_group=dp)
+        x = integer_tensor((16, 32), torch.float32, seed=mesh["dp"].get_local_rank()).requires_grad_()
+        with ctx:
+            (model(x) ** 2).sum().backward()
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    expected = step(contextlib.nullcontext())
+    pipe = EagerMicroPipeline() if manage_every_group else EagerMicroPipeline(group=tp)
+    got = step(pipe)
+    return {"equal": [torch.equal(g, e) for g, e in zip(got, expected)], "stats": dict(pipe.stats), "explain": pipe.explain()}
+
+
+@pytest.mark.parametrize("manage_every_group", [True, False], ids=["every_group", "tp_group"])
+def test_ddp_over_a_megatron_style_tp_mlp(pool, manage_every_group):
+    """Both TP all-reduces fuse (g forward, f backward) and the gradients are
+    plain eager's, bitwise. Managing every group, DDP's flat gradient bucket
+    reaches the mode too and is issued as written, with its reason; with
+    ``group=tp`` it never does."""
+    for r in pool.run(_ddp_megatron_worker, 4, manage_every_group):
+        assert all(r["equal"]), r
+        if manage_every_group:
+            assert r["stats"] == {"matmul_all_reduce": 2, "unfused_all_reduce": 1}, r
+            assert "f32[4096] is one row (all dims but the last), which does not split over 2 ranks" in r["explain"], r
+        else:
+            assert r["stats"] == {"matmul_all_reduce": 2}, r
+
+
 def _dtensor_worker(rank, group, bias, min_fuse_bytes=None):
     """Plain ColwiseParallel + RowwiseParallel (no SP): the row-parallel output
     all-reduces in forward (Partial -> Replicate), the column-parallel input
