@@ -320,6 +320,21 @@ def test_dtensor_whole_step_with_clipping_and_adamw_inside_the_block(pool, seque
         assert len(r["unfused"]) == sum(unfused.values()), r["unfused"]
 
 
+def _full_grads(model: nn.Module) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+
+
+def _against_plain_eager(grads_of) -> dict:
+    """``grads_of(ctx)`` run plainly, then with ``ctx`` an ``EagerMicroPipeline``:
+    whether each gradient matches, and the block's stats."""
+    expected = grads_of(contextlib.nullcontext())
+    pipe = EagerMicroPipeline()
+    got = grads_of(pipe)
+    return {"grads_close": [torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)], "stats": dict(pipe.stats)}
+
+
 def _accumulation_worker(rank, group, sequence_parallel, micro_batches=4):
     """Gradient accumulation: ``micro_batches`` forward + backward passes in
     one block, each backward adding into the same ``.grad``s."""
@@ -340,12 +355,9 @@ def _accumulation_worker(rank, group, sequence_parallel, micro_batches=4):
                 if sequence_parallel:
                     x = x.chunk(group.size(), dim=1)[rank].contiguous()
                 model(x).pow(2).mean().backward()
-        return [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        return _full_grads(model)
 
-    expected = accumulate(contextlib.nullcontext())
-    pipe = EagerMicroPipeline()
-    got = accumulate(pipe)
-    return {"grads_close": [torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)], "stats": dict(pipe.stats)}
+    return _against_plain_eager(accumulate)
 
 
 @pytest.mark.parametrize(
@@ -389,12 +401,9 @@ def _double_backward_worker(rank, group, sequence_parallel):
             grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
             penalty = sum(g.to_local().pow(2).sum() for g in grads)  # NB: a local penalty, as plain eager's
             (loss + penalty).backward()
-        return [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        return _full_grads(model)
 
-    expected = run(contextlib.nullcontext())
-    pipe = EagerMicroPipeline()
-    got = run(pipe)
-    return {"grads_close": [torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)], "stats": dict(pipe.stats)}
+    return _against_plain_eager(run)
 
 
 @pytest.mark.parametrize(
