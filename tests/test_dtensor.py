@@ -339,7 +339,6 @@ def _accumulation_worker(rank, group, sequence_parallel, micro_batches=4):
     """Gradient accumulation: ``micro_batches`` forward + backward passes in
     one block, each backward adding into the same ``.grad``s."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     from eagertp.demo import TransformerBlock, tensor_parallel_plan
@@ -381,7 +380,7 @@ def _double_backward_worker(rank, group, sequence_parallel):
     """A gradient penalty: ``autograd.grad(..., create_graph=True)`` through
     the fused collectives, then backward through those gradients."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = DeviceMesh.from_group(group, "cpu")
