@@ -14,7 +14,8 @@ for the next.
 A worker that dies unexpectedly fails the test with ``WorkerDied``, which says
 how each dead rank ended (exit code or signal), what ``faulthandler`` wrote
 when it crashed (every thread's Python stack), and the jobs the pool ran
-before: a crash from memory corrupted earlier may surface tests later.
+before: a crash from memory corrupted earlier may surface tests later. The job
+runs once more on a fresh pool first (Note [A crash, run again]).
 """
 
 from __future__ import annotations
@@ -242,11 +243,12 @@ class WorkerPool:
         except WorkerDied as crash:
             if not rerun_after_crash:
                 raise
-            self.crashes.append(str(crash))
             try:
                 results = self._run(fn, world_size, args, timeout, dying_ranks)
             except WorkerDied as again:
                 raise WorkerDied(f"{again}\n\nIt died the first time too:\n{crash}") from crash
+            # NB: any other failure of the rerun is raised with the crash as its context.
+            self.crashes.append(str(crash))
             warnings.warn(f"a worker died; the job passed when run again on a fresh pool:\n{crash}", WorkerCrashWarning)
             return results
 
