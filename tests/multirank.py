@@ -104,6 +104,9 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection, c
 
     # NB: kept open for the process's life: faulthandler writes to its descriptor.
     faulthandler.enable(file=open(crash_log, "w"), all_threads=True)
+    # NB: multiprocessing's temporary folder (a listener socket) goes with the
+    # pool's: a worker killed by restart() never removes its own.
+    tempfile.tempdir = os.path.dirname(crash_log)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
