@@ -64,8 +64,9 @@ class WorkerCrashWarning(UserWarning):
 # Twice in about 20 full runs (December 2026), a worker died in malloc (SIGSEGV
 # in gloo's pt_gloo_runloop thread; SIGABRT in the main thread): the heap was
 # corrupted earlier in the process's life, by a job we could not identify
-# (valgrind of every job of the module it surfaced in, on 2 and 4 ranks, and of
-# every _scaled_mm call they make, found nothing). A test then failed that
+# (valgrind of the jobs of the module it surfaced in and the one before, all
+# on 2 ranks and up to the crash on 4, and of every _scaled_mm call they make,
+# found nothing: benchmarks/NOTES.md, session 17). A test then failed that
 # passes alone. So a job whose worker dies runs once more on a fresh pool: it
 # fails only if it dies again, and a crash it survives is kept whole (how each
 # rank died, faulthandler's stacks, the jobs the pool ran before) in
