@@ -134,6 +134,7 @@ class Engine:
         through; what is in flight stays in flight)."""
         group = group_name if isinstance(group_name, dist.ProcessGroup) else c10d._resolve_process_group(group_name)
         if not self.manages(group):
+            self.trace.pass_through(func, group_str(group))
             return None
         if group_size != group.size():
             raise ValueError(

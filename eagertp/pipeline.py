@@ -49,6 +49,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from eagertp._format import group_str
 from eagertp.engine import Engine, VerificationError
 from eagertp.mode import EagerTPMode
 
@@ -179,8 +180,11 @@ class EagerMicroPipeline:
         """One line per all-gather / reduce-scatter / all-reduce: what it fused
         with, or why not; inside the block, gathers still in flight say so.
         ``summary=True``: one line per kind of collective and what became of
-        it, with its count (for loops over many steps or tokens)."""
-        return self._engine.trace.explain(summary=summary)
+        it, with its count (for loops over many steps or tokens). Collectives
+        on groups the pipeline does not manage (``group=``) are counted, a
+        line per op and group, after the rest."""
+        group = self._engine.group
+        return self._engine.trace.explain(summary=summary, managed=None if group is None else group_str(group))
 
     def debug_string(self) -> str:
         """The ordered trace, with short stable tensor ids (``$0``) and shapes."""

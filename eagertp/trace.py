@@ -160,6 +160,9 @@ class Trace:
         )
         self.dropped = 0  # collective records pushed out of the bounded log
         self._next_index: collections.Counter[str] = collections.Counter()
+        # (op, group) -> count: collectives on groups the pipeline does not
+        # manage, passed through untouched (bounded by the program's ops x groups).
+        self.passed_through: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def event(self, render: str | Callable[..., str], *args: Any) -> None:
         """Record ``render(*args)`` (or ``render.format(*args)`` for a template);
@@ -195,15 +198,31 @@ class Trace:
         record.backend = backend
         log.debug("eagertp: %s", record)
 
+    def pass_through(self, func: Any, group: str) -> None:
+        """Count a collective on ``group``, which the pipeline does not manage."""
+        key = (str(func), group)
+        if key not in self.passed_through:
+            log.debug("eagertp: %s on %s passes through: not a managed group", *key)
+        self.passed_through[key] += 1
+
     def debug_string(self) -> str:
         return "\n".join(render(*args) for render, args in self.events)
 
-    def explain(self, *, summary: bool = False) -> str:
+    def explain(self, *, summary: bool = False, managed: str | None = None) -> str:
+        """``managed``: the group the pipeline manages (None: every group)."""
         if not self.collectives and not self.dropped:
-            return "eagertp: no all-gather, reduce-scatter or all-reduce seen on a managed group"
-        lines = self._summary() if summary else [r.render() for r in self.collectives]
+            head = "eagertp: no all-gather, reduce-scatter or all-reduce seen on a managed group"
+            lines = [head if managed is None else f"{head} ({managed})"]
+        else:
+            lines = self._summary() if summary else [r.render() for r in self.collectives]
         if self.dropped:
             lines.insert(0, f"({self.dropped} earlier records dropped)")
+        # NB: a group= that names another group than the program's collectives
+        # use fuses nothing; these lines say which groups those were.
+        lines += [
+            f"{n} x {op} on {group}: passed through, not a managed group"
+            for (op, group), n in self.passed_through.items()
+        ]
         return "\n".join(lines)
 
     def _summary(self) -> list[str]:

@@ -9,6 +9,7 @@ from helpers import OpCounter, all_gather, integer_tensor
 
 import eagertp
 from eagertp import EagerMicroPipeline
+from eagertp._format import group_str
 
 
 def test_public_names():
@@ -88,10 +89,17 @@ def _group_filter_worker(rank, group):
     with OpCounter() as counter, EagerMicroPipeline(group=group) as pipe:
         managed = all_gather(x, group) @ w
         unmanaged = all_gather(x, other) @ w  # passes through: a plain collective
+    # The user's mistake: the pipeline given another group than the program's.
+    with EagerMicroPipeline(group=other) as wrong_group:
+        all_gather(x, group) @ w
+        all_gather(x, group) @ w
     return {
         "ok": torch.equal(managed, unmanaged),
         "stats": dict(pipe.stats),
         "plain_gathers": counter.unfused_all_gathers,
+        "explain": pipe.explain(),
+        "wrong_group": (dict(wrong_group.stats), wrong_group.explain(), wrong_group.explain(summary=True)),
+        "groups": (group_str(group), group_str(other)),
     }
 
 
@@ -100,6 +108,24 @@ def test_group_option_leaves_other_groups_untouched(pool):
         assert r["ok"]
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}
         assert r["plain_gathers"] == 1  # the unmanaged one, issued as the user wrote it
+        group, other = r["groups"]
+        gather = "_c10d_functional.all_gather_into_tensor.default"
+        assert r["explain"].splitlines()[1:] == [f"1 x {gather} on {other}: passed through, not a managed group"]
+
+
+def test_explain_names_the_groups_of_collectives_it_let_pass(pool):
+    """A pipeline given another group than the program's fuses nothing, and
+    explain() says which group it manages and where the collectives went."""
+    for r in pool.run(_group_filter_worker, 2):
+        group, other = r["groups"]
+        stats, explain, summary = r["wrong_group"]
+        assert not stats
+        gather = "_c10d_functional.all_gather_into_tensor.default"
+        assert explain == (
+            f"eagertp: no all-gather, reduce-scatter or all-reduce seen on a managed group ({other})\n"
+            f"2 x {gather} on {group}: passed through, not a managed group"
+        )
+        assert summary == explain
 
 
 def _group_size_worker(rank, group):
