@@ -64,6 +64,22 @@ def all_reduce(x: torch.Tensor, group, reduce_op: str = "sum") -> torch.Tensor:
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
+def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """A new CPU ``DeviceMesh`` (new groups), for a job whose DTensors must
+    run on it. NB: DTensor caches sharding decisions by mesh, and meshes of
+    one layout and dim names compare equal whatever their groups (torch 2.13;
+    so do the ``"tp"`` submeshes of a ``("dp", "tp")`` and a ``("pp", "tp")``
+    mesh): in a worker that ran an earlier job, some DTensor outputs would
+    land on that job's mesh and their collectives on its groups, which
+    ``EagerMicroPipeline(group=...)`` does not manage. So the caches are
+    cleared first, as torch's debug helper does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
 def fusion_report(pipe, counter: OpCounter) -> dict:
     """What a worker returns so the test can prove which path ran."""
     return {

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
-from helpers import ROWWISE_SCALES, OpCounter, all_reduce, fusion_report, integer_tensor
+from helpers import ROWWISE_SCALES, OpCounter, all_reduce, device_mesh, fusion_report, integer_tensor
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -282,10 +282,9 @@ def _ddp_megatron_worker(rank, group, manage_every_group):
     mesh: DDP's gradient bucket all-reduce, issued from autograd's hooks on
     the dp group, next to the TP all-reduces."""
     import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = device_mesh((2, 2), ("dp", "tp"))
     tp, dp = mesh["tp"].get_group(), mesh["dp"].get_group()
 
     def all_reduce_in_place(t):

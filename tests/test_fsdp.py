@@ -29,7 +29,7 @@ import collections
 import contextlib
 
 import torch
-from helpers import OpCounter
+from helpers import OpCounter, device_mesh
 
 from eagertp import EagerMicroPipeline
 
@@ -79,14 +79,13 @@ def _fsdp_tp_worker(rank, group):
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     from eagertp.demo import TransformerBlock, tensor_parallel_plan
 
     assert group.size() == dist.get_world_size() == 4
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = device_mesh((2, 2), ("dp", "tp"))
     tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
     names = {tp_group.group_name: "tp", dp_group.group_name: "dp"}
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from helpers import all_gather, all_reduce, integer_tensor
+from helpers import all_gather, all_reduce, device_mesh, integer_tensor
 from multirank import RankError, WorkerDied
 
 from eagertp import EagerMicroPipeline, VerificationError
@@ -147,9 +147,8 @@ def test_ranks_flushing_at_different_points_interoperate(pool):
 def _mesh_worker(rank, group):
     import torch.distributed as dist
     from helpers import OpCounter, reduce_scatter
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = device_mesh((2, 2), ("dp", "tp"))
     tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
     x = integer_tensor((2, 8), torch.float32, seed=rank)
     w1 = integer_tensor((8, 6), torch.float32, seed=1)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import device_mesh
 
 from eagertp import EagerMicroPipeline
 
@@ -133,12 +134,11 @@ def _titan_fsdp_worker(rank, group, steps=2):
     ``loss_parallel`` and ``EagerMicroPipeline(group=tp)``."""
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import loss_parallel
 
     assert group.size() == dist.get_world_size() == 4
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = device_mesh((2, 2), ("dp", "tp"))
     tp_group, dp_rank = mesh.get_group("tp"), mesh.get_local_rank("dp")
 
     def batch(step):  # a batch per dp rank, the same on both of its tp ranks
