@@ -104,7 +104,10 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection, c
     import faulthandler
 
     # NB: kept open for the process's life: faulthandler writes to its descriptor.
-    faulthandler.enable(file=open(crash_log, "w"), all_threads=True)
+    crash_file = open(crash_log, "w")
+    faulthandler.enable(file=crash_file, all_threads=True)
+    # A job that hangs: the pool asks every rank for its stacks before killing it.
+    faulthandler.register(signal.SIGUSR1, file=crash_file, all_threads=True)
     # NB: multiprocessing's temporary folder (a listener socket) goes with the
     # pool's: a worker killed by restart() never removes its own.
     tempfile.tempdir = os.path.dirname(crash_log)
@@ -202,19 +205,33 @@ class WorkerPool:
                 continue
             code = proc.exitcode
             lines.append(f"rank {rank}: " + (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"))
-            try:
-                with open(self._crash_log(rank), errors="replace") as f:
-                    crash = f.read()[-4000:]
-            except OSError:  # it died before faulthandler opened its file
-                crash = ""
-            if crash:
-                lines.append(f"rank {rank}'s faulthandler:\n{crash}")
-        shown = self._recent[-40:]
-        lines.append(
-            f"jobs since the pool started ({len(self._recent)}; the last {len(shown)}, oldest first):\n  "
-            + "\n  ".join(shown)
-        )
+            lines += self._faulthandler_output(rank)
+        lines.append(self._jobs_since_start())
         return "\n".join(lines)
+
+    def _stacks_of_live_workers(self) -> str:
+        """For a hang: every live rank's threads' stacks (faulthandler, on
+        SIGUSR1), and the jobs the pool ran since it started."""
+        live = [(rank, proc) for rank, proc in enumerate(self._procs) if proc.is_alive()]
+        for _, proc in live:
+            os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)  # NB: faulthandler writes from the signal handler, at once
+        lines = [line for rank, _ in live for line in self._faulthandler_output(rank)]
+        return "\n".join([*lines, self._jobs_since_start()])
+
+    def _faulthandler_output(self, rank: int) -> list[str]:
+        try:
+            with open(self._crash_log(rank), errors="replace") as f:
+                out = f.read()[-4000:]
+        except OSError:  # it died before faulthandler opened its file
+            out = ""
+        return [f"rank {rank}'s faulthandler:\n{out}"] if out else []
+
+    def _jobs_since_start(self) -> str:
+        shown = self._recent[-40:]
+        return f"jobs since the pool started ({len(self._recent)}; the last {len(shown)}, oldest first):\n  " + "\n  ".join(
+            shown
+        )
 
     def restart(self) -> None:
         for proc in self._procs:
@@ -269,10 +286,11 @@ class WorkerPool:
                 conn.send(job)
             for rank, conn in enumerate(self._conns):
                 if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    stacks = self._stacks_of_live_workers()
                     self.restart()
                     raise TimeoutError(
                         f"{fn.__name__} on {world_size} ranks: rank {rank} did not finish "
-                        f"within {timeout} s (hang); worker pool restarted"
+                        f"within {timeout} s (hang); worker pool restarted\n{stacks}"
                     )
                 try:
                     replies[rank] = conn.recv()
@@ -280,6 +298,8 @@ class WorkerPool:
                     if rank not in dying_ranks:
                         raise
                     replies[rank] = ("ok", None)
+        except TimeoutError:  # NB: a hang, not a death (TimeoutError is an OSError): never run again
+            raise
         except (EOFError, OSError) as e:  # a worker process died (e.g. gloo aborted it)
             how = self._how_workers_died()
             self.restart()

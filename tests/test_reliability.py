@@ -6,6 +6,9 @@ fails the test instead of stalling CI.
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import pytest
 import torch
 from expecttest import assert_expected_inline
@@ -100,6 +103,35 @@ def test_a_job_whose_worker_crashes_twice_fails_with_both_reports(pool):
     assert len(pool.crashes) == before, "a crash no rerun survived fails its test, not the summary"
     assert str(failed.value).count("rank 1: killed by SIGSEGV") == 2, str(failed.value)
     assert "It died the first time too:" in str(failed.value)
+
+
+def _hang_worker(rank, group):
+    """Rank 0 waits for an event nothing sets: a hang no gloo timeout ends."""
+    import threading
+
+    if rank == 0:
+        threading.Event().wait()
+    return rank
+
+
+def test_a_hung_job_fails_at_once_with_every_ranks_stacks(pool):
+    """Test infrastructure: a job that outlives its timeout fails as a hang
+    (TimeoutError, never run again as a crash would be), with every live
+    rank's threads' stacks and the jobs the pool ran before it."""
+    from multirank import WorkerCrashWarning
+
+    before = len(pool.crashes)
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WorkerCrashWarning)
+        with pytest.raises(TimeoutError) as hung:
+            pool.run(_hang_worker, 2, timeout=3)
+    assert time.monotonic() - start < 30, "run once, not again on a fresh pool"
+    assert len(pool.crashes) == before
+    message = str(hung.value)
+    assert "rank 0 did not finish within 3 s (hang)" in message, message
+    assert "rank 0's faulthandler:" in message and "in _hang_worker" in message, message
+    assert "jobs since the pool started (" in message and "_hang_worker on 2 ranks" in message, message
 
 
 def test_mismatched_shapes_without_verify_fail_like_plain_eager(pool):
