@@ -137,12 +137,14 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection, c
         if job is None:
             break
         if rank >= job.world_size:
-            conn.send(("idle", None))
+            conn.send(("idle", None, _groups_made()))
             continue
         try:
-            conn.send(("ok", job.fn(rank, groups[job.world_size], *job.args)))
+            result = job.fn(rank, groups[job.world_size], *job.args)
         except BaseException:  # noqa: B036 - reported to the parent
-            conn.send(("error", traceback.format_exc()))
+            conn.send(("error", traceback.format_exc(), _groups_made()))
+        else:
+            conn.send(("ok", result, _groups_made()))
     # NB: tear down together: a rank that closes its connections while a peer's
     # gloo threads still use them can abort that peer.
     dist.barrier()
@@ -150,6 +152,26 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection, c
     from eagertp._compat import exit_spawned_rank
 
     exit_spawned_rank(0)
+
+
+# Note [Groups made by jobs]
+# ---------------------------
+# c10d names a new group by a counter every rank of the default group keeps,
+# and a non-member returns from new_group without a word, so every one of the
+# pool's WORLD ranks must make every group, in the same order. A job on fewer
+# ranks that makes one (init_device_mesh over 2 of the 4 ranks) leaves the
+# counters apart: a later job's new group then waits on the store for keys
+# its peers wrote under other names, a hang far from its cause (session 18:
+# test_pipelining's 2 x 2 mesh, 60 s, after a 2-rank init_device_mesh in
+# test_matmul_all_gather). So each rank reports how many groups it has made
+# after every job, and a job that left them apart fails by name. A job on
+# fewer ranks takes its mesh from its group: DeviceMesh.from_group(group).
+
+
+def _groups_made() -> int:
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._world.group_count
 
 
 class WorkerPool:
@@ -309,6 +331,13 @@ class WorkerPool:
         if dying_ranks:
             self.restart()
         errors = [f"--- rank {r} ---\n{rep[1]}" for r, rep in enumerate(replies) if rep[0] == "error"]
+        made = [rep[2] for rep in replies if len(rep) > 2]  # NB: a dying rank's reply is ("ok", None)
+        if len(set(made)) > 1:  # Note [Groups made by jobs]
+            errors.append(
+                f"groups made so far, by rank: {made}: this job made process groups on some of the pool's "
+                f"{WORLD} ranks only (new_group needs every rank; later groups would hang). Take a mesh "
+                "from the job's group instead: DeviceMesh.from_group(group, 'cpu')"
+            )
         if errors:
             self.restart()
             raise RankError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(errors))

@@ -211,12 +211,12 @@ def _dtensor_worker(rank, group, checkpointed=None):
     colwise_rep): the output's gather is fused forward; backward takes this
     rank's slice of the output's gradient (no collective) and all-reduces
     the input's."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     from torch.distributed.tensor import Replicate
 
     world = group.size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = DeviceMesh.from_group(group, "cpu")  # NB: no new group: Note [Groups made by jobs] in multirank.py
     model = nn.Linear(16, 8 * world, bias=True)
     with torch.no_grad():  # integer-valued: plain eager and the pieces agree bitwise
         model.weight.copy_(integer_tensor(model.weight.shape, torch.float32, seed=1))

@@ -134,6 +134,26 @@ def test_a_hung_job_fails_at_once_with_every_ranks_stacks(pool):
     assert "jobs since the pool started (" in message and "_hang_worker on 2 ranks" in message, message
 
 
+def _group_on_some_ranks_worker(rank, group):
+    import torch.distributed as dist
+
+    dist.new_group([0, 1])  # on ranks 0 and 1 only: the pool's other ranks never make it
+    return rank
+
+
+def test_a_job_that_makes_a_group_on_some_ranks_fails_by_name(pool):
+    """Test infrastructure, Note [Groups made by jobs]: a job on 2 of the
+    pool's ranks that makes a process group fails at once, naming the fix,
+    instead of leaving a later job's group creation to hang."""
+    with pytest.raises(RankError) as failed:
+        pool.run(_group_on_some_ranks_worker, 2)
+    message = str(failed.value)
+    assert "groups made so far, by rank: [" in message, message
+    assert "made process groups on some of the pool's 4 ranks only" in message, message
+    assert "DeviceMesh.from_group(group, 'cpu')" in message, message
+    assert pool.run(_group_on_some_ranks_worker, 4) == [0, 1, 2, 3], "on every rank: fine, and the pool is whole again"
+
+
 def test_mismatched_shapes_without_verify_fail_like_plain_eager(pool):
     """Plain eager on gloo aborts the process ("Received data size doesn't match
     expected size"); eagertp's ring does the same. Never a silent result."""
