@@ -15,7 +15,7 @@ from test_all_gather_matmul import _assert_fused, _contract_worker, _gather_dim_
 
 from eagertp import EagerMicroPipeline
 from eagertp.backends.base import piece_dim
-from eagertp.backends.ring import piece_rows
+from eagertp.backends.ring import piece_rows, wire_rows
 
 WORLDS = [2, 4]
 
@@ -34,6 +34,23 @@ def test_piece_rows_depend_on_shape_only():
     assert piece_rows(torch.empty(1024, 1024), "all_reduce") == [slice(0, 512), slice(512, 1024)]
     # A batch of one splits along the dim after it: the same bytes as [1024, 1024].
     assert piece_rows(torch.empty(1, 1024, 1024), "all_gather") == [slice(0, 512), slice(512, 1024)]
+
+
+def test_wire_rows_split_each_piece_where_it_holds_the_minimum_twice():
+    """Note [Wire pieces]: on the 2-rank ring each piece travels as up to 2
+    messages of at least the kind's minimum bytes; its rows are the piece's."""
+    shard = torch.empty(1024, 1024)  # 4 KiB a row
+    rows = piece_rows(shard, "all_gather")  # 2 pieces of 2 MiB
+    assert wire_rows(shard, rows) == [[slice(0, 256), slice(256, 512)], [slice(512, 768), slice(768, 1024)]]
+    small = torch.empty(96, 1024)  # 384 KiB: 1 piece, 1 message
+    assert wire_rows(small, piece_rows(small, "all_gather")) == [[slice(0, 96)]]
+    # Pieces of 320 and 192 KiB: neither holds twice the 256 KiB minimum, so each is one message.
+    odd = torch.empty(128, 1024)
+    assert wire_rows(odd, [slice(0, 80), slice(80, 128)]) == [[slice(0, 80)], [slice(80, 128)]]
+    assert wire_rows(odd, [slice(0, 128)]) == [[slice(0, 128)]]
+    assert wire_rows(torch.empty(2048, 1024), [slice(0, 1024), slice(1024, 2048)]) == [
+        [slice(0, 512), slice(512, 1024)], [slice(1024, 1536), slice(1536, 2048)]
+    ]
 
 
 def test_piece_dim_skips_leading_ones_but_never_splits_the_last_dim():
@@ -86,6 +103,8 @@ def test_a_batch_of_one_travels_in_pieces(pool, world, shard_shape, gather_dim, 
         _assert_fused(r, calls=1, matmuls=1)
         assert r["p2p_ops"] > 2 * (world - 1), "the shards travelled in pieces"
         assert r["matmuls"] == 1 + (world - 1) * 4, r  # this rank's shard whole, then one matmul a piece
+        if world == 2:  # 4 pieces of 1, 2, 1 and 2 rows, those of 2 in 2 messages (Note [Wire pieces])
+            assert r["p2p_ops"] == 2 * 6, r
 
 
 @pytest.mark.parametrize("form", ["rows", "rows_t", "b_rows"])

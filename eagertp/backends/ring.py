@@ -12,7 +12,8 @@ this rank's shard into its own chunk; ``consume`` runs the consumer on this
 rank's own shard, then on each peer's shard as it lands, in ring order
 (``rank - 1``, ``rank - 2``, ...). A shard may travel in pieces
 (``piece_rows``: split along its ``piece_dim`` by its bytes, Note [Pieces]),
-each consumed as it lands. How the shards move depends on the world size and
+each consumed as it lands; on 2 ranks over gloo a piece travels as up to two
+messages (Note [Wire pieces]). How the shards move depends on the world size and
 the device:
 
 - 2 ranks, or NCCL: every send and receive is posted at the start (one
@@ -171,28 +172,39 @@ class _P2PGather:
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         self._whole = slice(0, rows[-1].stop)
+        # What travels: the pieces, each split once more on the 2-rank ring over
+        # gloo (Note [Wire pieces]); what is consumed: the pieces.
+        wire = wire_rows(shard, rows) if world == 2 and ag_out.device.type == "cpu" else [[r] for r in rows]
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
         # (the ring's order, so that sums over chunks add as they always have).
         sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
-        # (src, rows, the piece's view of ag_out)
-        self._pieces = [(src, r, piece) for src in sources for r, piece in zip(rows, pieces_of(chunks[src], rows))]
+        # (src, rows, the wire piece's view of ag_out), in the order they land
+        self._wire = [(src, w, shard_piece(chunks[src], w) if len(rows) > 1 else chunks[src]) for src in sources
+                      for split in wire for w in split]
+        # (src, rows, the piece's view of ag_out, its last wire piece's index)
+        self._pieces: list[tuple[int, slice, torch.Tensor, int]] = []
+        for i, src in enumerate(sources):
+            last = i * sum(map(len, wire)) - 1
+            for r, piece, split in zip(rows, pieces_of(chunks[src], rows), wire):
+                last += len(split)
+                self._pieces.append((src, r, piece, last))
         ops: list[tuple[Callable, torch.Tensor, int]] = []  # (_isend or _irecv, tensor, peer)
-        shard_pieces = pieces_of(shard, rows)
+        shard_wire = [shard_piece(shard, w) if len(rows) > 1 else shard for split in wire for w in split]
         for step, src in enumerate(sources, start=1):
             dst = (rank + step) % world
             # NB: sent from the shard itself (Note [Sends from the shard])
-            ops += [(_isend, piece, dst) for piece in shard_pieces]
-            ops += [(_irecv, piece, src) for s, _, piece in self._pieces if s == src]
+            ops += [(_isend, piece, dst) for piece in shard_wire]
+            ops += [(_irecv, piece, src) for s, _, piece in self._wire if s == src]
         try:
             if producer is None:
                 works = _post(ops, group)
-            else:  # 2 ranks on gloo: the receives first, then each piece sent as soon as it is made
+            else:  # 2 ranks on gloo: the receives first, then each wire piece sent as soon as it is made
                 assert world == 2 and ag_out.device.type == "cpu", "produced gathers: RingBackend.produce_all_gather"
-                sent = len(shard_pieces)  # ops: the sends of the shard's pieces, then the receives
+                sent = len(shard_wire)  # ops: the sends of the shard's wire pieces, then the receives
                 recvs = [post(t, group, peer) for post, t, peer in ops[sent:]]
                 works = []
-                for r, (post, piece, peer) in zip(rows, ops[:sent]):
-                    producer(piece, r)
+                for w, (post, piece, peer) in zip([w for split in wire for w in split], ops[:sent]):
+                    producer(piece, w)
                     works.append(post(piece, group, peer))
                 works += recvs
         except RuntimeError as e:
@@ -230,9 +242,9 @@ class _P2PGather:
         if not self._recvs:
             self._wait(self._rest)
             return
-        for i, (s, _, _) in enumerate(self._pieces):
-            if s == src:
-                self._recvs.wait(i)
+        for src_, _, _, last in self._pieces:
+            if src_ == src:
+                self._recvs.wait(last)
 
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks, rank = self._chunks, self._rank
@@ -245,9 +257,9 @@ class _P2PGather:
             self._fill_own()  # while the peers' pieces land
         if not self._recvs:
             self._wait(self._rest)
-        for i, (src, rows, piece) in enumerate(self._pieces):
+        for src, rows, piece, last in self._pieces:
             if self._recvs:
-                self._recvs.wait(i)
+                self._recvs.wait(last)
             if consumer is not None:
                 # The consumer of one piece overlaps the transfers of the pieces after it.
                 consumer(piece, src, rows)
@@ -659,6 +671,37 @@ PIECES: dict[str, tuple[int, int]] = {
     "reduce_scatter": (1, 64 << 10),
     "all_reduce": (2, 512 << 10),
 }
+
+
+# Note [Wire pieces]
+# On 2 ranks over gloo an all-gather's pieces each travel as up to
+# WIRE_SPLIT messages of at least the kind's minimum bytes, a function of the
+# shape alone like the pieces (Invariant 2); a consumer still runs once per
+# piece, when its messages have landed, so its matmuls and results are those
+# of the pieces, while a producer (Note [Matmul + all-gather]) makes and sends
+# each message's rows as soon as it can. Measured on 2gbit (benchmarks/NOTES.md,
+# session 18): what 4 pieces cost the all-gather + matmul at large N was the
+# smaller matmuls, not the messages (4 messages in 2 matmuls: 0.98-1.01x of 2
+# in 2), and the product's gather gains from 4 made pieces (session 14).
+WIRE_SPLIT = 2
+
+
+def wire_rows(shard: torch.Tensor, rows: list[slice]) -> list[list[slice]]:
+    """Per piece ``rows[i]`` of ``shard``, the rows its messages carry (Note
+    [Wire pieces]): two halves where each holds the kind's minimum bytes,
+    else the piece itself."""
+    if len(rows) < 2:
+        return [list(rows)]
+    min_bytes = PIECES["all_gather"][1]
+    n_rows = shard.shape[piece_dim(shard.shape)] if shard.dim() else 1
+    row_bytes = shard.numel() * shard.element_size() // max(n_rows, 1)
+    wire = []
+    for r in rows:
+        n = r.stop - r.start
+        split = max(1, min(WIRE_SPLIT, n, n * row_bytes // max(min_bytes, 1)))
+        bounds = [r.start + i * n // split for i in range(split + 1)]
+        wire.append([slice(a, b) for a, b in zip(bounds, bounds[1:])])
+    return wire
 
 
 def pieces_of(t: torch.Tensor, rows: list[slice]) -> list[torch.Tensor]:

@@ -41,18 +41,19 @@ def _all_gather(engine: Engine, func, args, kwargs):
 #     G = all_gather(C, group)              # funcol (any gather_dim), raw c10d
 #
 # into one backend call at the program point (``Backend.produce_all_gather``):
-# the pieces the shard travels in (Note [Pieces] in eagertp.backends.ring)
-# are C's rows, each made (``A[rows] @ B``) straight into this rank's chunk of
-# G and sent from there at once while the next is made: no copy. C's own
+# the messages the shard travels in (Note [Pieces] and Note [Wire pieces] in
+# eagertp.backends.ring: on 2 ranks over gloo, up to 2 per piece) are C's
+# rows, each made (``A[rows] @ B``) straight into this rank's chunk of G and
+# sent from there at once while the next is made: no copy. C's own
 # placeholder stays pending, computed only if the program reads it (as after
-# a fused reduce-scatter). On 2 ranks, rank 0, C in 2 pieces::
+# a fused reduce-scatter). On 2 ranks, rank 0, C in 2 messages::
 #
 #     program: C = A @ B   all_gather(C) ............................ read(G)
 #     compute:             [ C[0] ][ C[1] ]   (other work)
 #     comm:                        [ -> C[0] ][ -> C[1] ]
 #                          [ <- peer's C[0] ][ <- peer's C[1] ]
 #
-# The messages are the gather's own (the same pieces of the same shard), so
+# The messages are the gather's own (the same rows of the same shard), so
 # a peer that made C first, or read it, interoperates (Invariant 2). This
 # rank's chunk of G is complete when the call returns; the gather stays in
 # flight like any other and matmuls on G still bind to it. Where nothing can
