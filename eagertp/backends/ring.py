@@ -175,35 +175,34 @@ class _P2PGather:
         # What travels: the pieces, each split once more on the 2-rank ring over
         # gloo (Note [Wire pieces]); what is consumed: the pieces.
         wire = wire_rows(shard, rows) if world == 2 and ag_out.device.type == "cpu" else [[r] for r in rows]
+        messages = [w for split in wire for w in split]  # one shard's, in the order they land
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
         # (the ring's order, so that sums over chunks add as they always have).
         sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
-        # (src, rows, the wire piece's view of ag_out), in the order they land
-        self._wire = [(src, w, shard_piece(chunks[src], w) if len(rows) > 1 else chunks[src]) for src in sources
-                      for split in wire for w in split]
-        # (src, rows, the piece's view of ag_out, its last wire piece's index)
-        self._pieces: list[tuple[int, slice, torch.Tensor, int]] = []
-        for i, src in enumerate(sources):
-            last = i * sum(map(len, wire)) - 1
-            for r, piece, split in zip(rows, pieces_of(chunks[src], rows), wire):
-                last += len(split)
-                self._pieces.append((src, r, piece, last))
+        # (src, rows, the piece's view of ag_out, the index of its last message
+        # among the receives)
+        ends = list(itertools.accumulate(len(split) for split in wire))
+        self._pieces = [
+            (src, r, piece, i * len(messages) + end - 1)
+            for i, src in enumerate(sources)
+            for r, piece, end in zip(rows, pieces_of(chunks[src], rows), ends)
+        ]
         ops: list[tuple[Callable, torch.Tensor, int]] = []  # (_isend or _irecv, tensor, peer)
-        shard_wire = [shard_piece(shard, w) if len(rows) > 1 else shard for split in wire for w in split]
+        shard_messages = pieces_of(shard, messages)
         for step, src in enumerate(sources, start=1):
             dst = (rank + step) % world
             # NB: sent from the shard itself (Note [Sends from the shard])
-            ops += [(_isend, piece, dst) for piece in shard_wire]
-            ops += [(_irecv, piece, src) for s, _, piece in self._wire if s == src]
+            ops += [(_isend, piece, dst) for piece in shard_messages]
+            ops += [(_irecv, piece, src) for piece in pieces_of(chunks[src], messages)]
         try:
             if producer is None:
                 works = _post(ops, group)
-            else:  # 2 ranks on gloo: the receives first, then each wire piece sent as soon as it is made
+            else:  # 2 ranks on gloo: the receives first, then each message sent as soon as it is made
                 assert world == 2 and ag_out.device.type == "cpu", "produced gathers: RingBackend.produce_all_gather"
-                sent = len(shard_wire)  # ops: the sends of the shard's wire pieces, then the receives
+                sent = len(shard_messages)  # ops: the sends of the shard's messages, then the receives
                 recvs = [post(t, group, peer) for post, t, peer in ops[sent:]]
                 works = []
-                for w, (post, piece, peer) in zip([w for split in wire for w in split], ops[:sent]):
+                for w, (post, piece, peer) in zip(messages, ops[:sent]):
                     producer(piece, w)
                     works.append(post(piece, group, peer))
                 works += recvs
@@ -242,8 +241,8 @@ class _P2PGather:
         if not self._recvs:
             self._wait(self._rest)
             return
-        for src_, _, _, last in self._pieces:
-            if src_ == src:
+        for s, _, _, last in self._pieces:
+            if s == src:
                 self._recvs.wait(last)
 
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
