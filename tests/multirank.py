@@ -251,9 +251,8 @@ class WorkerPool:
 
     def _jobs_since_start(self) -> str:
         shown = self._recent[-40:]
-        return f"jobs since the pool started ({len(self._recent)}; the last {len(shown)}, oldest first):\n  " + "\n  ".join(
-            shown
-        )
+        head = f"jobs since the pool started ({len(self._recent)}; the last {len(shown)}, oldest first):"
+        return "\n  ".join([head, *shown])
 
     def restart(self) -> None:
         for proc in self._procs:
