@@ -23,6 +23,7 @@ DIM, HEADS, SEQ, BATCH, MICROBATCHES, BLOCKS_PER_STAGE = 16, 4, 8, 4, 2, 2
 def _pp_tp_worker(rank, group, schedule_name, sequence_parallel, manage):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     from eagertp.demo import TransformerBlock, tensor_parallel_plan
@@ -56,7 +57,7 @@ def _pp_tp_worker(rank, group, schedule_name, sequence_parallel, manage):
                 schedule.step(x)
             else:
                 schedule.step(target=target, losses=losses)
-        grads = [getattr(p.grad, "_local_tensor", p.grad).clone() for p in stage_module.parameters()]
+        grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for p in stage_module.parameters()]
         return [loss.detach() for loss in losses], grads, counter, pipe
 
     plain_losses, plain_grads, plain, _ = train(False)
