@@ -691,16 +691,10 @@ def wire_rows(shard: torch.Tensor, rows: list[slice]) -> list[list[slice]]:
     else the piece itself."""
     if len(rows) < 2:
         return [list(rows)]
-    min_bytes = PIECES["all_gather"][1]
     n_rows = shard.shape[piece_dim(shard.shape)] if shard.dim() else 1
     row_bytes = shard.numel() * shard.element_size() // max(n_rows, 1)
-    wire = []
-    for r in rows:
-        n = r.stop - r.start
-        split = max(1, min(WIRE_SPLIT, n, n * row_bytes // max(min_bytes, 1)))
-        bounds = [r.start + i * n // split for i in range(split + 1)]
-        wire.append([slice(a, b) for a, b in zip(bounds, bounds[1:])])
-    return wire
+    min_bytes = PIECES["all_gather"][1]
+    return [_split_rows(r.start, r.stop - r.start, row_bytes, WIRE_SPLIT, min_bytes) for r in rows]
 
 
 def pieces_of(t: torch.Tensor, rows: list[slice]) -> list[torch.Tensor]:
@@ -721,9 +715,14 @@ def piece_rows(
     max_pieces = default_max if max_pieces is None else max_pieces
     min_bytes = default_min if min_bytes is None else min_bytes
     n_rows = chunk.shape[piece_dim(chunk.shape)] if chunk.dim() else 1
-    nbytes = chunk.numel() * chunk.element_size()
-    pieces = max(1, min(max_pieces, n_rows, nbytes // max(min_bytes, 1)))
-    bounds = [i * n_rows // pieces for i in range(pieces + 1)]
+    return _split_rows(0, n_rows, chunk.numel() * chunk.element_size() // max(n_rows, 1), max_pieces, min_bytes)
+
+
+def _split_rows(start: int, n_rows: int, row_bytes: int, max_pieces: int, min_bytes: int) -> list[slice]:
+    """Rows ``start .. start + n_rows`` in up to ``max_pieces`` runs of at
+    least ``min_bytes`` each (and a row), as even as whole rows allow."""
+    pieces = max(1, min(max_pieces, n_rows, n_rows * row_bytes // max(min_bytes, 1)))
+    bounds = [start + i * n_rows // pieces for i in range(pieces + 1)]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
