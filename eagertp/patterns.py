@@ -18,7 +18,8 @@ import torch.distributed as dist
 from eagertp._format import group_str, tensor_str
 from eagertp.backends import Backend
 from eagertp.backends.base import (
-    ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer, ShardProducer, chunk_rows, piece_dim, whole_rows,
+    ChunkConsumer, ChunkProducer, GatherHandle, OrderedConsumer, RowsConsumer, ShardProducer, chunk_rows, piece_dim,
+    whole_rows,
 )
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import (
@@ -172,8 +173,11 @@ class AllGatherMatmulPlan:
                 step(piece, src, rows)
 
         # Contractions over the gathered rows add every chunk's product into one output.
-        accumulates = any(mm.operand is not Operand.ROWS for mm in g.consumers)
-        return OrderedConsumer(consume) if accumulates else consume
+        if any(mm.operand is not Operand.ROWS for mm in g.consumers):
+            return OrderedConsumer(consume)
+        # [M, K] @ [K, N] per gathered byte (M * K elements): 2 * N * K / element size, summed.
+        flops = sum(2 * mm.out.numel() * mm.b.shape[0] for mm in g.consumers)
+        return RowsConsumer(consume, flops / max(g.out.numel() * g.out.element_size(), 1))
 
     def _scale_rows(self, mm: PendingMatmul) -> ScaleRows | None:
         """Where ``mm``'s consumer reads its ``scale_a`` rows, if from a scale

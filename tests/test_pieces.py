@@ -54,6 +54,33 @@ def test_wire_rows_split_each_piece_where_it_holds_the_minimum_twice():
     ]
 
 
+def _light_consumer_worker(rank, group, n_by_rank):
+    """``all_gather(x) @ w`` with an ``[8, 8]`` shard (4 pieces of 2 rows, 2
+    messages each on the 2-rank ring) and ``w`` of ``n_by_rank[rank]``
+    columns: a consumer of N = 8 does 4 flops per gathered byte (light), of
+    N = 1024 512 (Note [Wire pieces])."""
+    x = integer_tensor((8, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, n_by_rank[rank]), torch.float32, seed=1)
+    expected = all_gather(x, group) @ w
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = all_gather(x, group) @ w
+    return {"ok": torch.equal(got, expected), "matmuls": counter.matmuls, **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("n_by_rank", [(8, 8), (1024, 1024), (8, 1024)], ids=["light", "heavy", "one-of-each"])
+def test_a_light_consumer_runs_on_each_message(pool, n_by_rank):
+    """On 2 ranks over gloo each piece of 2 rows travels as 2 messages: a
+    light consumer multiplies each as it lands (this rank's shard, then 8),
+    a heavy one each piece (4). The messages are the same either way, so
+    ranks that choose differently interoperate."""
+    results = pool.run(with_small_pieces, 2, _light_consumer_worker, n_by_rank)
+    for n, r in zip(n_by_rank, results):
+        assert r["ok"], r
+        _assert_fused(r, calls=1, matmuls=1)
+        assert r["p2p_ops"] == 2 * 8, r  # 4 pieces, 2 messages each, sent and received
+        assert r["matmuls"] == 1 + (8 if n == 8 else 4), r
+
+
 def test_piece_dim_skips_leading_ones_but_never_splits_the_last_dim():
     assert [piece_dim(s) for s in [(8,), (1, 8), (4, 8), (1, 4, 8), (1, 1, 4, 8), (2, 1, 4, 8), (1, 1, 8)]] == [
         0, 0, 0, 1, 2, 0, 1
@@ -103,9 +130,14 @@ def test_a_batch_of_one_travels_in_pieces(pool, world, shard_shape, gather_dim, 
         assert all(r["ok"]), r
         _assert_fused(r, calls=1, matmuls=1)
         assert r["p2p_ops"] > 2 * (world - 1), "the shards travelled in pieces"
-        assert r["matmuls"] == 1 + (world - 1) * 4, r  # this rank's shard whole, then one matmul a piece
         if world == 2:  # 4 pieces of 1, 2, 1 and 2 rows, those of 2 in 2 messages (Note [Wire pieces])
             assert r["p2p_ops"] == 2 * 6, r
+        # This rank's shard whole, then one matmul a piece; a light consumer
+        # of gathered rows (2.5 flops a byte here) one a message. Gathered
+        # along the last dim, the rows form contracts over the gathered
+        # columns: it accumulates, so it keeps its pieces.
+        per_message = world == 2 and form == "rows" and gather_dim < len(shard_shape) - 1
+        assert r["matmuls"] == 1 + (world - 1) * (6 if per_message else 4), r
 
 
 @pytest.mark.parametrize("form", ["rows", "rows_t", "b_rows"])

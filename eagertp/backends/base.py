@@ -36,6 +36,23 @@ class OrderedConsumer:
         self.fn(piece, src, rows)
 
 
+class RowsConsumer:
+    """A consumer that writes only rows of its outputs of its own (nothing
+    accumulates over chunks), and does ``flops_per_byte`` of matmul work per
+    byte of the gathered tensor. A backend whose pieces travel as several
+    messages may run a light one on each message as it lands (Note [Wire
+    pieces] in eagertp.backends.ring); any other backend calls it as it
+    calls any consumer."""
+
+    __slots__ = ("fn", "flops_per_byte")
+
+    def __init__(self, fn: ChunkConsumer, flops_per_byte: float) -> None:
+        self.fn, self.flops_per_byte = fn, flops_per_byte
+
+    def __call__(self, piece: torch.Tensor, src: int, rows: slice) -> None:
+        self.fn(piece, src, rows)
+
+
 # producer(dst_rank, buf, rows): writes into buf this rank's contribution to
 # the chunk that rank dst_rank keeps after the reduce-scatter: the whole chunk
 # (rows = ALL_ROWS, buf of any shape holding it), or rows `rows` of it viewed

@@ -80,6 +80,7 @@ from eagertp.backends.base import (
     ChunkConsumer,
     ChunkProducer,
     GatherHandle,
+    RowsConsumer,
     ShardProducer,
     check_gather_buffers,
     check_scatter_buffers,
@@ -187,6 +188,8 @@ class _P2PGather:
             for i, src in enumerate(sources)
             for r, piece, end in zip(rows, pieces_of(chunks[src], rows), ends)
         ]
+        # A light consumer's units instead (Note [Wire pieces]): made when asked.
+        self._sources, self._messages = sources, messages if len(messages) > len(rows) else None
         ops: list[tuple[Callable, torch.Tensor, int]] = []  # (_isend or _irecv, tensor, peer)
         shard_messages = pieces_of(shard, messages)
         for step, src in enumerate(sources, start=1):
@@ -256,7 +259,7 @@ class _P2PGather:
             self._fill_own()  # while the peers' pieces land
         if not self._recvs:
             self._wait(self._rest)
-        for src, rows, piece, last in self._pieces:
+        for src, rows, piece, last in self._units(consumer):
             if self._recvs:
                 self._recvs.wait(last)
             if consumer is not None:
@@ -264,6 +267,20 @@ class _P2PGather:
                 consumer(piece, src, rows)
         self._wait(self._rest)
         self._rest = []
+
+    def _units(self, consumer: ChunkConsumer | None) -> list[tuple[int, slice, torch.Tensor, int]]:
+        """What ``consume`` runs the consumer on, in order: ``(src, rows, view,
+        the index of the last receive it needs)`` per piece, or per message
+        for a light consumer (Note [Wire pieces])."""
+        messages = self._messages
+        light = isinstance(consumer, RowsConsumer) and consumer.flops_per_byte < LIGHT_CONSUMER_FLOPS_PER_BYTE
+        if messages is None or not light:
+            return self._pieces
+        return [
+            (src, r, view, i * len(messages) + j)
+            for i, src in enumerate(self._sources)
+            for j, (r, view) in enumerate(zip(messages, pieces_of(self._chunks[src], messages)))
+        ]
 
     def _wait(self, works: list[tuple[dist.Work, int]]) -> None:
         for work, peer in works:
@@ -679,14 +696,22 @@ PIECES: dict[str, tuple[int, int]] = {
 # Note [Wire pieces]
 # On 2 ranks over gloo an all-gather's pieces each travel as up to
 # WIRE_SPLIT messages of at least the kind's minimum bytes, a function of the
-# shape alone like the pieces (Invariant 2); a consumer still runs once per
-# piece, when its messages have landed, so its matmuls and results are those
-# of the pieces, while a producer (Note [Matmul + all-gather]) makes and sends
-# each message's rows as soon as it can. Measured on 2gbit (benchmarks/NOTES.md,
-# session 18): what 4 pieces cost the all-gather + matmul at large N was the
-# smaller matmuls, not the messages (4 messages in 2 matmuls: 0.98-1.01x of 2
-# in 2), and the product's gather gains from 4 made pieces (session 14).
+# shape alone like the pieces (Invariant 2). A producer (Note [Matmul +
+# all-gather]) makes and sends each message's rows as soon as it can. A
+# consumer runs once per piece, when its messages have landed, unless it is
+# light: a RowsConsumer (no accumulation over chunks) doing less than
+# LIGHT_CONSUMER_FLOPS_PER_BYTE of matmul work per gathered byte runs on each
+# message as it lands. That is the consumer's own rank's choice: the messages
+# are the same either way. Measured on 2gbit (benchmarks/NOTES.md): what 4
+# pieces cost the all-gather + matmul at large N was the smaller matmuls, not
+# the messages (session 18: 4 messages in 2 matmuls, 0.98-1.01x of 2 in 2),
+# the product's gather gains from 4 made pieces (session 14), and a light
+# consumer from 4 matmuls (session 19: M = K = 1024 float32, per message
+# 5-13% faster at N = 256-512, i.e. 128-256 flops a byte, the same at 1024,
+# 2-3% slower at 2048). Consumers that accumulate (weight gradients) keep
+# their pieces: each more call reads and writes their whole output again.
 WIRE_SPLIT = 2
+LIGHT_CONSUMER_FLOPS_PER_BYTE = 384
 
 
 def wire_rows(shard: torch.Tensor, rows: list[slice]) -> list[list[slice]]:
