@@ -175,9 +175,7 @@ class AllGatherMatmulPlan:
         # Contractions over the gathered rows add every chunk's product into one output.
         if any(mm.operand is not Operand.ROWS for mm in g.consumers):
             return OrderedConsumer(consume)
-        # [M, K] @ [K, N] per gathered byte (M * K elements): 2 * N * K / element size, summed.
-        flops = sum(2 * mm.out.numel() * mm.b.shape[0] for mm in g.consumers)
-        return RowsConsumer(consume, flops / max(g.out.numel() * g.out.element_size(), 1))
+        return RowsConsumer(consume)
 
     def _scale_rows(self, mm: PendingMatmul) -> ScaleRows | None:
         """Where ``mm``'s consumer reads its ``scale_a`` rows, if from a scale

@@ -37,17 +37,16 @@ class OrderedConsumer:
 
 
 class RowsConsumer:
-    """A consumer that writes only rows of its outputs of its own (nothing
-    accumulates over chunks), and does ``flops_per_byte`` of matmul work per
-    byte of the gathered tensor. A backend whose pieces travel as several
-    messages may run a light one on each message as it lands (Note [Wire
-    pieces] in eagertp.backends.ring); any other backend calls it as it
-    calls any consumer."""
+    """A consumer each of whose calls writes rows of its outputs of its own
+    (nothing accumulates over chunks), so it may run on any grouping of the
+    rows: a backend whose pieces travel as several messages may run it on
+    each message as it lands (Note [Wire pieces] in eagertp.backends.ring);
+    any other backend calls it as it calls any consumer."""
 
-    __slots__ = ("fn", "flops_per_byte")
+    __slots__ = ("fn",)
 
-    def __init__(self, fn: ChunkConsumer, flops_per_byte: float) -> None:
-        self.fn, self.flops_per_byte = fn, flops_per_byte
+    def __init__(self, fn: ChunkConsumer) -> None:
+        self.fn = fn
 
     def __call__(self, piece: torch.Tensor, src: int, rows: slice) -> None:
         self.fn(piece, src, rows)

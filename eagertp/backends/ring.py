@@ -70,6 +70,7 @@ import _thread
 import collections
 import itertools
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -183,13 +184,13 @@ class _P2PGather:
         # (src, rows, the piece's view of ag_out, the index of its last message
         # among the receives)
         ends = list(itertools.accumulate(len(split) for split in wire))
+        # (src, rows, the piece's view of ag_out, the indices of its messages
+        # among the receives, their rows)
         self._pieces = [
-            (src, r, piece, i * len(messages) + end - 1)
+            (src, r, piece, range(i * len(messages) + end - len(split), i * len(messages) + end), split)
             for i, src in enumerate(sources)
-            for r, piece, end in zip(rows, pieces_of(chunks[src], rows), ends)
+            for r, piece, end, split in zip(rows, pieces_of(chunks[src], rows), ends, wire)
         ]
-        # A light consumer's units instead (Note [Wire pieces]): made when asked.
-        self._sources, self._messages = sources, messages if len(messages) > len(rows) else None
         ops: list[tuple[Callable, torch.Tensor, int]] = []  # (_isend or _irecv, tensor, peer)
         shard_messages = pieces_of(shard, messages)
         for step, src in enumerate(sources, start=1):
@@ -244,9 +245,9 @@ class _P2PGather:
         if not self._recvs:
             self._wait(self._rest)
             return
-        for s, _, _, last in self._pieces:
+        for s, _, _, received, _ in self._pieces:
             if s == src:
-                self._recvs.wait(last)
+                self._recvs.wait(received[-1])
 
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks, rank = self._chunks, self._rank
@@ -259,28 +260,28 @@ class _P2PGather:
             self._fill_own()  # while the peers' pieces land
         if not self._recvs:
             self._wait(self._rest)
-        for src, rows, piece, last in self._units(consumer):
+        by_message = isinstance(consumer, RowsConsumer)
+        for src, rows, piece, received, split in self._pieces:
             if self._recvs:
-                self._recvs.wait(last)
+                if by_message and len(split) > 1 and self._waited_for(received[0]):
+                    # Behind the wire: each message as it lands (Note [Wire pieces]).
+                    for i, message in zip(received, split):
+                        self._recvs.wait(i)
+                        consumer(shard_piece(self._chunks[src], message), src, message)
+                    continue
+                self._recvs.wait(received[-1])
             if consumer is not None:
                 # The consumer of one piece overlaps the transfers of the pieces after it.
                 consumer(piece, src, rows)
         self._wait(self._rest)
         self._rest = []
 
-    def _units(self, consumer: ChunkConsumer | None) -> list[tuple[int, slice, torch.Tensor, int]]:
-        """What ``consume`` runs the consumer on, in order: ``(src, rows, view,
-        the index of the last receive it needs)`` per piece, or per message
-        for a light consumer (Note [Wire pieces])."""
-        messages = self._messages
-        light = isinstance(consumer, RowsConsumer) and consumer.flops_per_byte < LIGHT_CONSUMER_FLOPS_PER_BYTE
-        if messages is None or not light:
-            return self._pieces
-        return [
-            (src, r, view, i * len(messages) + j)
-            for i, src in enumerate(self._sources)
-            for j, (r, view) in enumerate(zip(messages, pieces_of(self._chunks[src], messages)))
-        ]
+    def _waited_for(self, i: int) -> bool:
+        """Wait for receive ``i``; True if it had not landed (the wait took
+        longer than WAITED_S)."""
+        start = time.perf_counter()
+        self._recvs.wait(i)
+        return time.perf_counter() - start > WAITED_S
 
     def _wait(self, works: list[tuple[dist.Work, int]]) -> None:
         for work, peer in works:
@@ -699,19 +700,25 @@ PIECES: dict[str, tuple[int, int]] = {
 # shape alone like the pieces (Invariant 2). A producer (Note [Matmul +
 # all-gather]) makes and sends each message's rows as soon as it can. A
 # consumer runs once per piece, when its messages have landed, unless it is
-# light: a RowsConsumer (no accumulation over chunks) doing less than
-# LIGHT_CONSUMER_FLOPS_PER_BYTE of matmul work per gathered byte runs on each
-# message as it lands. That is the consumer's own rank's choice: the messages
-# are the same either way. Measured on 2gbit (benchmarks/NOTES.md): what 4
-# pieces cost the all-gather + matmul at large N was the smaller matmuls, not
-# the messages (session 18: 4 messages in 2 matmuls, 0.98-1.01x of 2 in 2),
-# the product's gather gains from 4 made pieces (session 14), and a light
-# consumer from 4 matmuls (session 19: M = K = 1024 float32, per message
-# 5-13% faster at N = 256-512, i.e. 128-256 flops a byte, the same at 1024,
-# 2-3% slower at 2048). Consumers that accumulate (weight gradients) keep
-# their pieces: each more call reads and writes their whole output again.
+# behind the wire: a RowsConsumer (each call writes rows of its own, nothing
+# accumulates) that had to wait for a piece's first message multiplies each
+# message of that piece as it lands, its matmul overlapping the next
+# message's transfer. The rank's own choice: the messages are the same
+# either way. Why by waiting and not by a rule on shapes: whether smaller
+# matmuls pay depends on the link (benchmarks/NOTES.md, session 19: by the
+# shapes alone, per message ran the all-gather + matmul at M = K = 1024,
+# N = 256-512 4-13% closer to the best hand schedule on 2gbit, and 7-9%
+# slower on loopback, where the messages land before the consumer gets to
+# them). What 4 pieces cost at large N was those smaller matmuls, not the
+# messages (session 18: 4 messages in 2 matmuls, 0.98-1.01x of 2 in 2).
+# Each output row is the same matmul of its own rows whichever way its rows
+# are grouped: the bits of CPU matmuls did not change with the rows grouped
+# by 8 or more, but may on other BLAS, so results may vary run to run within
+# the tolerance of chunked matmul (Invariant 1). Consumers that accumulate
+# (weight gradients) keep their pieces: their sums would vary, and each more
+# call reads and writes their whole output again.
 WIRE_SPLIT = 2
-LIGHT_CONSUMER_FLOPS_PER_BYTE = 384
+WAITED_S = 100e-6  # a wait for a receive that had landed takes 10-30 us here
 
 
 def wire_rows(shard: torch.Tensor, rows: list[slice]) -> list[list[slice]]:
