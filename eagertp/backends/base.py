@@ -37,11 +37,11 @@ class OrderedConsumer:
 
 
 class RowsConsumer:
-    """A consumer each of whose calls writes rows of its outputs of its own
-    (nothing accumulates over chunks), so it may run on any grouping of the
-    rows: a backend whose pieces travel as several messages may run it on
-    each message as it lands (Note [Wire pieces] in eagertp.backends.ring);
-    any other backend calls it as it calls any consumer."""
+    """A consumer whose calls each write rows of the outputs that no other
+    call writes (nothing accumulates over chunks), so it may run on any
+    grouping of the rows: a backend whose pieces travel as several messages
+    may run it on each message as it lands (Note [Wire pieces] in
+    eagertp.backends.ring); any other backend calls it as any consumer."""
 
     __slots__ = ("fn",)
 

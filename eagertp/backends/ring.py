@@ -181,8 +181,6 @@ class _P2PGather:
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
         # (the ring's order, so that sums over chunks add as they always have).
         sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
-        # (src, rows, the piece's view of ag_out, the index of its last message
-        # among the receives)
         ends = list(itertools.accumulate(len(split) for split in wire))
         # (src, rows, the piece's view of ag_out, the indices of its messages
         # among the receives, their rows)
