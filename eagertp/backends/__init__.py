@@ -41,10 +41,12 @@ it is made (the ring; the others make the shard, then send it)::
 overlap where a backend runs them on several CUDA streams (none does: symm_mem
 runs them on the current stream, each behind its chunk's event), unless it is
 an ``OrderedConsumer`` (it accumulates: each call must see the writes of the
-calls before it). Invariant 2 of the design: the
-messages a backend exchanges depend only on the buffers' shapes, ``reduce_op``
-and the group, never on the consumer or producer, so a rank that issues a
-collective alone interoperates with a peer that fuses it.
+calls before it). A ``RowsConsumer`` (each call writes rows of its own) may
+be run on any grouping of a shard's rows: the 2-rank ring runs it on each
+message of a piece it had to wait for (Note [Wire pieces]). Invariant 2 of
+the design: the messages a backend exchanges depend only on the buffers'
+shapes, ``reduce_op`` and the group, never on the consumer or producer, so a
+rank that issues a collective alone interoperates with a peer that fuses it.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer, OrderedConsumer, ShardProducer
+from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer, OrderedConsumer, RowsConsumer, ShardProducer
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.backends.ring import RingBackend
 from eagertp.backends import symm_mem
@@ -63,7 +65,7 @@ from eagertp.trace import Lazy
 
 __all__ = [
     "BACKENDS", "MIN_FUSE_BYTES", "Backend", "BackendChoice", "ChunkConsumer", "ChunkProducer", "OrderedConsumer",
-    "ShardProducer",
+    "RowsConsumer", "ShardProducer",
 ]
 
 BACKENDS: dict[str, type[Backend]] = {

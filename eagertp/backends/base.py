@@ -20,36 +20,37 @@ from eagertp.trace import Text
 ChunkConsumer = Callable[[torch.Tensor, int, slice], None]
 
 
-class OrderedConsumer:
+class _KindOfConsumer:
+    """A consumer, called as any, whose class tells a backend what it may do
+    with its calls (the subclasses below)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: ChunkConsumer) -> None:
+        self.fn = fn
+
+    def __call__(self, piece: torch.Tensor, src: int, rows: slice) -> None:
+        self.fn(piece, src, rows)
+
+
+class OrderedConsumer(_KindOfConsumer):
     """A consumer whose calls share state (it accumulates into one output), so
     each call must see the writes of the calls before it. The ring and
     symm_mem call consumers one after another on one stream (symm_mem: the
     current CUDA stream) anyway; a backend that spread them over several
     streams would have to chain this one's calls."""
 
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: ChunkConsumer) -> None:
-        self.fn = fn
-
-    def __call__(self, piece: torch.Tensor, src: int, rows: slice) -> None:
-        self.fn(piece, src, rows)
+    __slots__ = ()
 
 
-class RowsConsumer:
+class RowsConsumer(_KindOfConsumer):
     """A consumer whose calls each write rows of the outputs that no other
     call writes (nothing accumulates over chunks), so it may run on any
     grouping of the rows: a backend whose pieces travel as several messages
     may run it on each message as it lands (Note [Wire pieces] in
     eagertp.backends.ring); any other backend calls it as any consumer."""
 
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: ChunkConsumer) -> None:
-        self.fn = fn
-
-    def __call__(self, piece: torch.Tensor, src: int, rows: slice) -> None:
-        self.fn(piece, src, rows)
+    __slots__ = ()
 
 
 # producer(dst_rank, buf, rows): writes into buf this rank's contribution to
