@@ -231,9 +231,10 @@ def test_two_by_two_mesh_fuses_tp_and_passes_dp_through_in_order(pool):
         assert r["ok"]
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1, "matmul_reduce_scatter": 1}, r
         # The TP gather's ring, then the dp gather and all-reduce exactly as written,
-        # then the TP reduce-scatter's ring (its receive posted first): program order.
+        # then the TP reduce-scatter's ring: program order, each ring's receive
+        # posted first (Note [Receives first] in eagertp.backends.ring).
         assert r["collectives"] == [
-            "send", "recv_", "all_gather_into_tensor", "allreduce_", "recv_", "send"
+            "recv_", "send", "all_gather_into_tensor", "allreduce_", "recv_", "send"
         ], r["collectives"]
 
 

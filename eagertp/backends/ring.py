@@ -173,7 +173,6 @@ class _P2PGather:
         self._what = Reason("all_gather of {}", Meta.of(shard))
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
-        self._whole = slice(0, rows[-1].stop)
         # What travels: the pieces, each split once more on the 2-rank ring over
         # gloo (Note [Wire pieces]); what is consumed: the pieces.
         wire = wire_rows(shard, rows) if world == 2 and ag_out.device.type == "cpu" else [[r] for r in rows]
@@ -181,35 +180,36 @@ class _P2PGather:
         # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
         # (the ring's order, so that sums over chunks add as they always have).
         sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
+        # (_isend or _irecv, tensor, peer): every receive, then every send (Note
+        # [Receives first]); each send from the shard itself (Note [Sends from
+        # the shard] in eagertp.engine).
+        ops: list[tuple[Callable, torch.Tensor, int]] = [
+            (_irecv, piece, src) for src in sources for piece in pieces_of(chunks[src], messages)
+        ]
+        n_receives = len(ops)
+        shard_messages = pieces_of(shard, messages)
+        ops += [(_isend, piece, (rank + step) % world) for step in range(1, len(sources) + 1) for piece in shard_messages]
+        try:
+            if producer is None:
+                works = _post(ops, group)
+            else:  # 2 ranks on gloo: the receives, then each message sent as soon as it is made
+                assert world == 2 and ag_out.device.type == "cpu", "produced gathers: RingBackend.produce_all_gather"
+                works = [post(t, group, peer) for post, t, peer in ops[:n_receives]]
+                for w, (post, piece, peer) in zip(messages, ops[n_receives:]):
+                    producer(piece, w)
+                    works.append(post(piece, group, peer))
+        except RuntimeError as e:
+            raise peer_error(e, self._what, group, sources[0] if sources else rank) from e  # 2 ranks: the one peer
+        # What is consumed, once the messages are on their way: (src, rows, the
+        # piece's view of ag_out, the indices of its messages among the
+        # receives, their rows).
+        self._whole = slice(0, rows[-1].stop)
         ends = list(itertools.accumulate(len(split) for split in wire))
-        # (src, rows, the piece's view of ag_out, the indices of its messages
-        # among the receives, their rows)
         self._pieces = [
             (src, r, piece, range(i * len(messages) + end - len(split), i * len(messages) + end), split)
             for i, src in enumerate(sources)
             for r, piece, end, split in zip(rows, pieces_of(chunks[src], rows), ends, wire)
         ]
-        ops: list[tuple[Callable, torch.Tensor, int]] = []  # (_isend or _irecv, tensor, peer)
-        shard_messages = pieces_of(shard, messages)
-        for step, src in enumerate(sources, start=1):
-            dst = (rank + step) % world
-            # NB: sent from the shard itself (Note [Sends from the shard])
-            ops += [(_isend, piece, dst) for piece in shard_messages]
-            ops += [(_irecv, piece, src) for piece in pieces_of(chunks[src], messages)]
-        try:
-            if producer is None:
-                works = _post(ops, group)
-            else:  # 2 ranks on gloo: the receives first, then each message sent as soon as it is made
-                assert world == 2 and ag_out.device.type == "cpu", "produced gathers: RingBackend.produce_all_gather"
-                sent = len(shard_messages)  # ops: the sends of the shard's messages, then the receives
-                recvs = [post(t, group, peer) for post, t, peer in ops[sent:]]
-                works = []
-                for w, (post, piece, peer) in zip(messages, ops[:sent]):
-                    producer(piece, w)
-                    works.append(post(piece, group, peer))
-                works += recvs
-        except RuntimeError as e:
-            raise peer_error(e, self._what, group, sources[0] if sources else rank) from e  # 2 ranks: the one peer
         # This rank's chunk of ag_out: copied from the shard when consumed,
         # unless nothing reads it then (Note [This rank's chunk, unread]).
         self._shard: torch.Tensor | None = shard
@@ -324,19 +324,18 @@ class _ThreadedRing:
         self._failure: BaseException | None = None
         self._driven = 0  # pieces received (and forwarded) so far
         self._stop = False  # set by consume() to drive the rest itself
-        # Step 0 from this thread: this rank's shard goes out, from the shard
-        # itself (Note [Sends from the shard]), the first shard's pieces are
-        # posted. A produced shard: the receives first, each piece made, then sent.
-        if producer is None:
-            self._shard_sends = [self._links.isend(piece) for piece in pieces_of(shard, rows)]
+        # Step 0 from this thread: the first shard's pieces are posted (Note
+        # [Receives first]), then this rank's shard goes out, from the shard
+        # itself (Note [Sends from the shard]); a produced one each piece as
+        # soon as it is made.
         self._recvs = {
             p: self._links.irecv(shard_piece(chunks[src], r)) for p, (src, r) in enumerate(self._pieces[: len(rows)])
         }
-        if producer is not None:
-            self._shard_sends = []
-            for r, piece in zip(rows, pieces_of(shard, rows)):
+        self._shard_sends = []
+        for r, piece in zip(rows, pieces_of(shard, rows)):
+            if producer is not None:
                 producer(piece, r)
-                self._shard_sends.append(self._links.isend(piece))
+            self._shard_sends.append(self._links.isend(piece))
         if shard.data_ptr() != chunks[rank].data_ptr():  # NB: a produced shard is made there
             chunks[rank].copy_(shard)  # while the shard is on its way
         self._sends: list[dist.Work] = []  # the forwards, appended by whichever thread drives the ring
@@ -690,6 +689,23 @@ PIECES: dict[str, tuple[int, int]] = {
     "reduce_scatter": (1, 64 << 10),
     "all_reduce": (2, 1 << 20),
 }
+
+
+# Note [Receives first]
+# A gather posts every receive before any send, and as early as it can: the
+# pieces it will consume are worked out once the messages are on their way.
+# Over gloo a message moves only once its sender has heard that the receive
+# is posted (a send finding none is queued, and the receiver's notice starts
+# it), so a receive posted first lets the peer's bytes start while this rank
+# is still posting its sends (about 40 us a post with both cores busy).
+# What each rank posts, and in which order per peer, is unchanged
+# (Invariant 2). Measured (benchmarks/NOTES.md, session 20): at M = K = 1024
+# on 2gbit the first receive is posted 0.37 ms after the program issues the
+# gather (before: the first of 4 sends at 0.41 ms, the receives after them),
+# and the all-gather + matmul at N = 256, the
+# row the wire bounds, read 1.05x the best hand schedule against 1.14x
+# (medians of three alternated runs; N = 512-1024 and the step unchanged
+# within the noise).
 
 
 # Note [Wire pieces]
