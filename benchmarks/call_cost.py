@@ -1,20 +1,23 @@
-"""Where one fused call's time goes: a matmul + reduce-scatter on 2 ranks, as
-the hand schedule, as eagertp's ring called alone, and as eagertp, split into
-phases.
+"""Where one fused call's time goes: a matmul + reduce-scatter or an all-gather +
+matmul on 2 ranks, as the hand schedule, as eagertp's ring called alone, and as
+eagertp, split into phases.
 
-    python benchmarks/call_cost.py [--n 256 1024] [--link-rate 2gbit] [--repeats 31]
+    python benchmarks/call_cost.py [--form all_gather_matmul] [--n 256 1024] [--link-rate 2gbit] [--repeats 31]
 
 Per N (M = K = 1024, float32), timed round-robin as in ``overlap.py`` (each
 sample the slowest rank's, a ``with`` block per eagertp call):
 
-- ``hand``: ``hand_schedules.matmul_reduce_scatter`` in one piece, its buffers
-  made once (the row of ``overlap.py`` the issue #14 target compares with);
-- ``ring``: ``RingBackend.produce_reduce_scatter`` called alone, producing each
-  chunk with ``torch.mm``: eagertp's schedule without the mode, funcol or the
-  engine;
-- ``eagertp``: ``funcol.reduce_scatter_single(a @ b, ...).wait()`` in the block.
+- ``hand``: ``hand_schedules.<form>`` in the ring's pieces (the reduce-scatter's
+  one, the gather's ``piece_rows``), its buffers made once (the row of
+  ``overlap.py`` the issue #14 target compares with);
+- ``ring``: eagertp's ring called alone (``RingBackend.produce_reduce_scatter``
+  producing each chunk with ``torch.mm``; ``start_all_gather``, then
+  ``consume`` multiplying each piece): eagertp's schedule without the mode,
+  funcol or the engine;
+- ``eagertp``: ``funcol.reduce_scatter_single(a @ b, ...).wait()``, or
+  ``y = funcol.all_gather_single(shard, ...) @ b``, in the block.
 
-Then rank 0's eagertp calls split at marks (medians, ms):
+Then rank 0's eagertp calls split at marks (medians, ms). The reduce-scatter:
 
 - ``enter``: the block's ``__enter__``;
 - ``a @ b``: the mode defers the matmul;
@@ -25,9 +28,22 @@ Then rank 0's eagertp calls split at marks (medians, ms):
 - ``return``: back through torch and funcol, and the program's ``wait()``;
 - ``exit``: the block's ``__exit__``.
 
-The marks wrap eagertp's handler (``eagertp.table.HANDLERS``) and the ring's
-entry point for the whole run, two clock reads each. 2 ranks only: the hand
-schedule is a 2-rank one.
+The all-gather + matmul, whose matmul runs at the block's exit:
+
+- ``enter``, ``funcol``, ``to ring``: as above;
+- ``posts``: the ring's start (every message posted, Note [Receives first]);
+- ``after``: eagertp's handler after the ring;
+- ``@ b``: back through funcol (``AsyncCollectiveTensor``), ``wait_tensor``
+  and the matmul's deferral;
+- ``to consume``: the block's exit until the ring consumes (the flush's plan);
+- ``consume``: the matmuls on this rank's shard and on each piece as it lands;
+- ``exit``: the rest of the exit.
+
+Everything before ``consume`` delays the first matmul, which the hand
+schedule starts as soon as it has posted its messages (benchmarks/NOTES.md,
+session 20). The marks wrap eagertp's handler (``eagertp.table.HANDLERS``)
+and the ring's entry points for the whole run, two clock reads each. 2 ranks
+only: the hand schedules are 2-rank ones.
 """
 
 from __future__ import annotations
@@ -39,7 +55,10 @@ import time
 
 import _harness
 
-PHASES = ("enter", "a @ b", "funcol", "to ring", "ring", "after", "return", "exit")
+PHASES = {
+    "matmul_reduce_scatter": ("enter", "a @ b", "funcol", "to ring", "ring", "after", "return", "exit"),
+    "all_gather_matmul": ("enter", "funcol", "to ring", "posts", "after", "@ b", "to consume", "consume", "exit"),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,12 +68,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _harness.add_common_args(parser)
+    parser.add_argument("--form", choices=list(PHASES), default="matmul_reduce_scatter", help="the fused call")
     parser.add_argument("--n", type=int, nargs="+", default=[256, 1024], help="output columns to sweep")
-    parser.add_argument("--m", type=int, default=1024, help="rows of the reduce-scattered matrix (and K)")
+    parser.add_argument("--m", type=int, default=1024, help="rows of the reduce-scattered or gathered matrix (and K)")
     args = parser.parse_args(argv)
     if args.world_size != 2:
         parser.error(f"--world-size {args.world_size}: call_cost.py compares with a 2-rank hand schedule; use 2")
     return args
+
+
+def _marked(fn, marks: dict[str, float], start: str, stop: str):
+    def call(*a, **kw):
+        marks[start] = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            marks[stop] = time.perf_counter()
+
+    return call
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -63,74 +94,114 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
     import hand_schedules as hand
     from eagertp import EagerMicroPipeline
-    from eagertp._compat import funcol_reduce_scatter
-    from eagertp.backends import ring
+    from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
+    from eagertp.backends import RowsConsumer, ring
     from eagertp.table import HANDLERS
 
     group = dist.group.WORLD
     marks: dict[str, float] = {}
-    rs_op = torch.ops._c10d_functional.reduce_scatter_tensor.default
-    handler, produce = HANDLERS[rs_op._op], ring.RingBackend.produce_reduce_scatter
-
-    def marked(fn, start: str, stop: str):
-        def call(*a):
-            marks[start] = time.perf_counter()
-            try:
-                return fn(*a)
-            finally:
-                marks[stop] = time.perf_counter()
-
-        return call
+    phases = PHASES[args.form]
+    gather = args.form == "all_gather_matmul"
+    op = (torch.ops._c10d_functional.all_gather_into_tensor if gather
+          else torch.ops._c10d_functional.reduce_scatter_tensor).default
+    # (owner, attribute, start mark, stop mark): wrapped for the whole run
+    marked = [(HANDLERS, op._op, "handler", "handled")]
+    if gather:
+        marked += [(ring.RingBackend, "start_all_gather", "ring", "ringed"),
+                   (ring._P2PGather, "consume", "consume", "consumed")]
+    else:
+        marked += [(ring.RingBackend, "produce_reduce_scatter", "ring", "ringed")]
 
     def one_n(n: int) -> dict:
         m = k = args.m
         g = torch.Generator().manual_seed(rank)
-        a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+        b = torch.randn(k, n, generator=g)
         half = m // 2
-        out = torch.empty(half, n)
         backend = ring.RingBackend()
-
-        def producer(c: int, buf: torch.Tensor, rows: slice) -> None:
-            torch.mm(a[c * half : (c + 1) * half][rows], b, out=buf)
-
-        def ring_alone() -> None:
-            backend.produce_reduce_scatter(producer, out, group, "sum")
-
         pipe = EagerMicroPipeline(min_fuse_bytes=0)
-        phases: dict[str, list[float]] = {p: [] for p in PHASES}
+        split: dict[str, list[float]] = {p: [] for p in phases}
 
-        def with_eagertp() -> None:
-            t0 = time.perf_counter()
-            with pipe:
-                t1 = time.perf_counter()
-                y = a @ b
-                t2 = time.perf_counter()
-                funcol_reduce_scatter(y, "sum", 0, group).wait()
+        def record(times: tuple[float, ...]) -> None:
+            for phase, start, stop in zip(phases, times, times[1:]):
+                split[phase].append(stop - start)
+
+        if gather:
+            shard = torch.randn(half, k, generator=g)
+            ag_out, y = torch.empty(m, k), torch.empty(2, half, n)
+
+            def ring_alone() -> None:
+                def mm(piece: torch.Tensor, src: int, rows: slice) -> None:
+                    torch.mm(piece, b, out=y[src][rows])
+
+                backend.start_all_gather(shard, ag_out, group).consume(RowsConsumer(mm))
+
+            def with_eagertp() -> None:
+                t0 = time.perf_counter()
+                with pipe:
+                    t1 = time.perf_counter()
+                    out = funcol_all_gather(shard, 0, group) @ b  # NB: held: computed at the block's exit
+                    t2 = time.perf_counter()
                 t3 = time.perf_counter()
-                del y
-            t4 = time.perf_counter()
-            times = (t0, t1, t2, marks["handler"], marks["ring"], marks["ringed"], marks["handled"], t3, t4)
-            for phase, start, stop in zip(PHASES, times, times[1:]):
-                phases[phase].append(stop - start)
+                del out
+                record((t0, t1, marks["handler"], marks["ring"], marks["ringed"], marks["handled"], t2,
+                        marks["consume"], marks["consumed"], t3))
 
-        fns = {"t_hand": hand.matmul_reduce_scatter(a, b, 1), "t_ring": ring_alone, "t_eagertp": with_eagertp}
+            t_hand = hand.all_gather_matmul(shard, b, len(ring.piece_rows(shard, "all_gather")))
+        else:
+            a = torch.randn(m, k, generator=g)
+            out = torch.empty(half, n)
+
+            def producer(c: int, buf: torch.Tensor, rows: slice) -> None:
+                torch.mm(a[c * half : (c + 1) * half][rows], b, out=buf)
+
+            def ring_alone() -> None:
+                backend.produce_reduce_scatter(producer, out, group, "sum")
+
+            def with_eagertp() -> None:
+                t0 = time.perf_counter()
+                with pipe:
+                    t1 = time.perf_counter()
+                    y = a @ b
+                    t2 = time.perf_counter()
+                    funcol_reduce_scatter(y, "sum", 0, group).wait()
+                    t3 = time.perf_counter()
+                    del y
+                t4 = time.perf_counter()
+                record((t0, t1, t2, marks["handler"], marks["ring"], marks["ringed"], marks["handled"], t3, t4))
+
+            t_hand = hand.matmul_reduce_scatter(a, b, 1)
+
+        fns = {"t_hand": t_hand, "t_ring": ring_alone, "t_eagertp": with_eagertp}
         rounds: list[dict[str, float]] = []
         t = _harness.time_interleaved(fns, group, repeats=args.repeats, warmup=args.warmup, rounds=rounds)
-        assert pipe.stats["matmul_reduce_scatter"] == 1, f"the reduce-scatter did not fuse: {pipe.explain()}"
+        assert pipe.stats[args.form] == 1, f"{args.form} did not fuse: {pipe.explain()}"
         return {
             "M": m, "K": k, "N": n, **t,
             "ring/hand": _harness.ratio_spread(rounds, "t_ring", "t_hand")[1],
             "eagertp/hand": _harness.ratio_spread(rounds, "t_eagertp", "t_hand")[1],
             # rank 0's phases of the timed calls
-            **{f"p_{p}": statistics.median(v[-args.repeats :]) for p, v in phases.items()},
+            **{f"p_{p}": statistics.median(v[-args.repeats :]) for p, v in split.items()},
         }
 
-    HANDLERS[rs_op._op] = marked(handler, "handler", "handled")
-    ring.RingBackend.produce_reduce_scatter = marked(produce, "ring", "ringed")
+    originals = [(owner, name, _get(owner, name)) for owner, name, _, _ in marked]
+    for owner, name, start, stop in marked:
+        _set(owner, name, _marked(_get(owner, name), marks, start, stop))
     try:
         return [one_n(n) for n in args.n]
     finally:
-        HANDLERS[rs_op._op], ring.RingBackend.produce_reduce_scatter = handler, produce
+        for owner, name, fn in originals:
+            _set(owner, name, fn)
+
+
+def _get(owner, name):
+    return owner[name] if isinstance(owner, dict) else getattr(owner, name)
+
+
+def _set(owner, name, value) -> None:
+    if isinstance(owner, dict):
+        owner[name] = value
+    else:
+        setattr(owner, name, value)
 
 
 def main(argv=None) -> int:
@@ -138,7 +209,7 @@ def main(argv=None) -> int:
     with _harness.quiet_warnings():
         rows = _harness.run(args, _worker)
     print(
-        f"call_cost: matmul + reduce-scatter, 2 ranks, gloo on {_harness.link_name(args)}, float32, "
+        f"call_cost: {args.form}, 2 ranks, gloo on {_harness.link_name(args)}, float32, "
         f"medians of {args.repeats} (ms; ratios: medians of the per-round ratios)"
     )
     ms = [dict(r, **{k: v * 1e3 for k, v in r.items() if k.startswith(("t_", "p_"))}) for r in rows]
@@ -148,8 +219,8 @@ def main(argv=None) -> int:
         ("ring/hand", "ring/hand", ".2f"), ("eagertp/hand", "eagertp/hand", ".2f"),
     ]))
     print("rank 0's eagertp call, by phase (ms):")
-    print(_harness.table(ms, [("N", "N", "d"), *((f"p_{p}", p, ".3f") for p in PHASES)]))
-    _harness.write_json(args.json, {"benchmark": "call_cost", "link": _harness.link_name(args), "rows": rows})
+    print(_harness.table(ms, [("N", "N", "d"), *((f"p_{p}", p, ".3f") for p in PHASES[args.form])]))
+    _harness.write_json(args.json, {"benchmark": "call_cost", "form": args.form, "link": _harness.link_name(args), "rows": rows})
     return 0
 
 

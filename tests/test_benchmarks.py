@@ -80,12 +80,16 @@ def test_the_held_out_hand_ratio_does_not_let_the_luck_that_chose_a_schedule_tim
     assert math.isnan(overlap.over_hand_held_out(rounds[:3]))
 
 
-def test_call_cost_splits_a_fused_call_into_phases():
-    out = _run("call_cost.py", "--m", "256", "--n", "64", "--repeats", "1", "--warmup", "0")
+@pytest.mark.parametrize("form, ring_phases", [("matmul_reduce_scatter", [4]), ("all_gather_matmul", [3, 7])])
+def test_call_cost_splits_a_fused_call_into_phases(form, ring_phases):
+    out = _run("call_cost.py", "--form", form, "--m", "256", "--n", "64", "--repeats", "1", "--warmup", "0")
+    assert f"call_cost: {form}," in out, out
     assert re.search(r"^ *256 +256 +64 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$", out, re.MULTILINE), out
-    phases = re.search(r"^ *64((?: +[\d.]+){8})$", out, re.MULTILINE)
+    phases = re.search(r"^ *64((?: +[\d.]+){8,9})$", out, re.MULTILINE)
     assert phases is not None, out
-    assert float(phases.group(1).split()[4]) > 0, f"the ring's phase was never marked: {out}"
+    times = [float(t) for t in phases.group(1).split()]
+    assert len(times) == (9 if form == "all_gather_matmul" else 8), out
+    assert all(times[i] > 0 for i in ring_phases), f"a phase of the ring was never marked: {out}"
 
 
 def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():

@@ -697,15 +697,18 @@ PIECES: dict[str, tuple[int, int]] = {
 # Over gloo a message moves only once its sender has heard that the receive
 # is posted (a send finding none is queued, and the receiver's notice starts
 # it), so a receive posted first lets the peer's bytes start while this rank
-# is still posting its sends (about 40 us a post with both cores busy).
-# What each rank posts, and in which order per peer, is unchanged
-# (Invariant 2). Measured (benchmarks/NOTES.md, session 20): at M = K = 1024
-# on 2gbit the first receive is posted 0.37 ms after the program issues the
-# gather (before: the first of 4 sends at 0.41 ms, the receives after them),
-# and the all-gather + matmul at N = 256, the
-# row the wire bounds, read 1.05x the best hand schedule against 1.14x
-# (medians of three alternated runs; N = 512-1024 and the step unchanged
-# within the noise).
+# is still posting its sends. The price: a send posted once the peer's
+# receive is known starts writing its message into the socket at once, on
+# the posting thread, where a send posted first is written later by gloo's
+# own thread. What each rank posts, and in which order per peer, is
+# unchanged (Invariant 2). Measured (benchmarks/NOTES.md, session 20): at
+# M = K = 1024 on 2gbit the first receive is posted 0.37 ms after the
+# program issues the gather (before: the first of 4 sends at 0.41 ms, the
+# receives after them); the posts took 0.5-2.5 ms of the program's thread
+# against 0.5-0.8 (`call_cost.py --form all_gather_matmul`); the
+# all-gather + matmul at N = 256, the row the wire bounds, read 1.05x the
+# best hand schedule against 1.14x (medians of three alternated runs); N =
+# 512-1024, the prefetch form and the step unchanged within the noise.
 
 
 # Note [Wire pieces]
