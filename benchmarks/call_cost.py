@@ -135,16 +135,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
                 backend.start_all_gather(shard, ag_out, group).consume(RowsConsumer(mm))
 
-            def with_eagertp() -> None:
+            def with_eagertp() -> torch.Tensor:
                 t0 = time.perf_counter()
                 with pipe:
                     t1 = time.perf_counter()
                     out = funcol_all_gather(shard, 0, group) @ b  # NB: held: computed at the block's exit
                     t2 = time.perf_counter()
                 t3 = time.perf_counter()
-                del out
                 record((t0, t1, marks["handler"], marks["ring"], marks["ringed"], marks["handled"], t2,
                         marks["consume"], marks["consumed"], t3))
+                return out
 
             t_hand = hand.all_gather_matmul(shard, b, len(ring.piece_rows(shard, "all_gather")))
         else:
