@@ -220,7 +220,9 @@ def main(argv=None) -> int:
     ]))
     print("rank 0's eagertp call, by phase (ms):")
     print(_harness.table(ms, [("N", "N", "d"), *((f"p_{p}", p, ".3f") for p in PHASES[args.form])]))
-    _harness.write_json(args.json, {"benchmark": "call_cost", "form": args.form, "link": _harness.link_name(args), "rows": rows})
+    _harness.write_json(
+        args.json, {"benchmark": "call_cost", "form": args.form, "link": _harness.link_name(args), "rows": rows}
+    )
     return 0
 
 

@@ -188,7 +188,9 @@ class _P2PGather:
         ]
         n_receives = len(ops)
         shard_messages = pieces_of(shard, messages)
-        ops += [(_isend, piece, (rank + step) % world) for step in range(1, len(sources) + 1) for piece in shard_messages]
+        ops += [
+            (_isend, piece, (rank + step) % world) for step in range(1, len(sources) + 1) for piece in shard_messages
+        ]
         try:
             if producer is None:
                 works = _post(ops, group)
