@@ -49,9 +49,11 @@ only: the hand schedules are 2-rank ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from unittest import mock
 
 import _harness
 
@@ -104,13 +106,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     gather = args.form == "all_gather_matmul"
     op = (torch.ops._c10d_functional.all_gather_into_tensor if gather
           else torch.ops._c10d_functional.reduce_scatter_tensor).default
-    # (owner, attribute, start mark, stop mark): wrapped for the whole run
-    marked = [(HANDLERS, op._op, "handler", "handled")]
-    if gather:
-        marked += [(ring.RingBackend, "start_all_gather", "ring", "ringed"),
-                   (ring._P2PGather, "consume", "consume", "consumed")]
-    else:
-        marked += [(ring.RingBackend, "produce_reduce_scatter", "ring", "ringed")]
+    # (class, method, start mark, stop mark): the ring's entry points, wrapped for the whole run
+    entries = (
+        [(ring.RingBackend, "start_all_gather", "ring", "ringed"), (ring._P2PGather, "consume", "consume", "consumed")]
+        if gather else [(ring.RingBackend, "produce_reduce_scatter", "ring", "ringed")]
+    )
 
     def one_n(n: int) -> dict:
         m = k = args.m
@@ -183,25 +183,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             **{f"p_{p}": statistics.median(v[-args.repeats :]) for p, v in split.items()},
         }
 
-    originals = [(owner, name, _get(owner, name)) for owner, name, _, _ in marked]
-    for owner, name, start, stop in marked:
-        _set(owner, name, _marked(_get(owner, name), marks, start, stop))
-    try:
+    with contextlib.ExitStack() as stack:
+        handler = _marked(HANDLERS[op._op], marks, "handler", "handled")
+        stack.enter_context(mock.patch.dict(HANDLERS, {op._op: handler}))
+        for owner, name, start, stop in entries:
+            stack.enter_context(mock.patch.object(owner, name, _marked(getattr(owner, name), marks, start, stop)))
         return [one_n(n) for n in args.n]
-    finally:
-        for owner, name, fn in originals:
-            _set(owner, name, fn)
-
-
-def _get(owner, name):
-    return owner[name] if isinstance(owner, dict) else getattr(owner, name)
-
-
-def _set(owner, name, value) -> None:
-    if isinstance(owner, dict):
-        owner[name] = value
-    else:
-        setattr(owner, name, value)
 
 
 def main(argv=None) -> int:
