@@ -6,6 +6,7 @@ shows, in a subprocess bounded by a timeout; timings are never asserted."""
 from __future__ import annotations
 
 import ast
+import importlib
 import math
 import os
 import pathlib
@@ -25,6 +26,15 @@ def _run(script: str, *args: str, timeout: float = 180) -> str:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+def _benchmark_module(name: str):
+    """A module of benchmarks/, imported as the scripts import each other."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.mark.parametrize(
@@ -66,11 +76,7 @@ def test_overlap_times_every_form():
 
 
 def test_the_held_out_hand_ratio_does_not_let_the_luck_that_chose_a_schedule_time_it():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import overlap
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    overlap = _benchmark_module("overlap")
     # The 2-piece schedule was fast in rounds 0 and 2 and slow in 1 and 3:
     # the smallest median over all rounds picks it (9.5 ms), so eagertp's 10 ms
     # reads 1.05x; chosen on rounds 0 and 2 it is timed on 1 and 3 (10/11),
@@ -96,12 +102,7 @@ def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
     """Its ranks' program, run as callgrind would run it (CI has no valgrind),
     takes the fused paths it claims to count; and callgrind_annotate's lines
     are read as instructions per call."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import _harness
-        import call_instructions
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    _harness, call_instructions = _benchmark_module("_harness"), _benchmark_module("call_instructions")
     port = str(_harness._free_port())
     ranks = [
         subprocess.Popen(

@@ -72,6 +72,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -162,6 +163,16 @@ class RingBackend:
         return _InterleavedAllReduce(producer, out, group, reduce_op)
 
 
+class _Piece(NamedTuple):
+    """A piece of a peer's shard, as ``_P2PGather.consume`` runs its consumer."""
+
+    src: int  # the peer whose shard it is
+    rows: slice  # its rows of that shard
+    view: torch.Tensor  # those rows of ag_out
+    received: range  # the indices of its messages among the gather's receives
+    messages: list[slice]  # the rows each message carries (Note [Wire pieces])
+
+
 class _P2PGather:
     """An all-gather in flight: every send and receive posted at construction."""
 
@@ -202,13 +213,11 @@ class _P2PGather:
                     works.append(post(piece, group, peer))
         except RuntimeError as e:
             raise peer_error(e, self._what, group, sources[0] if sources else rank) from e  # 2 ranks: the one peer
-        # What is consumed, once the messages are on their way: (src, rows, the
-        # piece's view of ag_out, the indices of its messages among the
-        # receives, their rows).
+        # What is consumed, once the messages are on their way.
         self._whole = slice(0, rows[-1].stop)
         ends = list(itertools.accumulate(len(split) for split in wire))
         self._pieces = [
-            (src, r, piece, range(i * len(messages) + end - len(split), i * len(messages) + end), split)
+            _Piece(src, r, piece, range(i * len(messages) + end - len(split), i * len(messages) + end), split)
             for i, src in enumerate(sources)
             for r, piece, end, split in zip(rows, pieces_of(chunks[src], rows), ends, wire)
         ]
@@ -245,9 +254,9 @@ class _P2PGather:
         if not self._recvs:
             self._wait(self._rest)
             return
-        for s, _, _, received, _ in self._pieces:
-            if s == src:
-                self._recvs.wait(received[-1])
+        for piece in self._pieces:
+            if piece.src == src:
+                self._recvs.wait(piece.received[-1])
 
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         chunks, rank = self._chunks, self._rank
