@@ -3,9 +3,11 @@ handler table (``eagertp.table``) that the families fill."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, _is_view_op
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -15,6 +17,7 @@ import eagertp.collectives.all_reduce  # noqa: F401
 import eagertp.collectives.c10d  # noqa: F401
 import eagertp.collectives.reduce_scatter  # noqa: F401
 import eagertp.matmuls  # noqa: F401
+from eagertp.deferred import tensor_leaves
 from eagertp.engine import Engine, written_tensors
 from eagertp.table import HANDLERS
 
@@ -58,6 +61,10 @@ class EagerTPMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         if types:  # tensor subclasses are involved
+            if types == _ASYNC_ONLY and engine.store.items:
+                unwrapped = _unwrap_pending_async(engine, func, args, kwargs)
+                if unwrapped is not None:  # Note [Pending async tensors]
+                    return self.__torch_dispatch__(func, (), *unwrapped)
             if any(issubclass(t, _DESUGAR_FIRST) for t in types):
                 return NotImplemented
             if any(_has_dispatch_override(t) for t in types):
@@ -74,6 +81,49 @@ class EagerTPMode(TorchDispatchMode):
         if engine.store.sending:  # an in-place collective may write a shard in flight
             engine.release_shards(func, written_tensors(func, args, kwargs))
         return handler(engine, func, args, kwargs)
+
+
+# Note [Pending async tensors]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# funcol returns every collective wrapped in an AsyncCollectiveTensor (ACT). A
+# program that uses the wrapper without ``.wait()`` (``all_gather_tensor(a, 0,
+# group) @ b``) sends each op on it through the mode twice: the mode returns
+# NotImplemented, the wrapper's Python waits on each wrapped tensor
+# (``wait_tensor``, through the mode) and calls the op on them again (through
+# the mode). Where every wrapper wraps one of our placeholders, that wait is a
+# no-op (the placeholder is filled before anything reads it), so the mode does
+# the wrapper's work itself: what the wrapper would do, in one pass, for the
+# ops whose result it does not wrap (every op but views; views keep torch's own
+# path, which rewraps them). A wrapper of anything else (a collective issued as
+# written, on a group we do not manage) takes torch's path and really waits.
+_ASYNC_ONLY = (AsyncCollectiveTensor,)
+_VIEW_OPS: dict[torch._ops.OpOverload, bool] = {}
+
+
+def _unwrap_pending_async(engine: Engine, func, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """``args`` and ``kwargs`` with each AsyncCollectiveTensor replaced by the
+    placeholder it wraps (marked waited, as its own ``__torch_dispatch__``
+    would), or None where the wrapper's own path must run."""
+    is_view = _VIEW_OPS.get(func)
+    if is_view is None:
+        is_view = _VIEW_OPS[func] = _is_view_op(func)
+    if is_view:
+        return None
+    wrappers = [t for t in tensor_leaves(args, kwargs) if type(t) is AsyncCollectiveTensor]
+    if not wrappers or any(engine.store.owner(w.elem) is None for w in wrappers):
+        return None
+    for w in wrappers:
+        w.completed = True
+    return tuple(_unwrapped(a) for a in args), {k: _unwrapped(v) for k, v in kwargs.items()}
+
+
+def _unwrapped(a: Any) -> Any:
+    # NB: ATen arguments nest one level at most (``cat``'s list), as tensor_leaves assumes.
+    if type(a) is AsyncCollectiveTensor:
+        return a.elem
+    if isinstance(a, (list, tuple)):
+        return type(a)(_unwrapped(x) for x in a)
+    return a
 
 
 def _has_dispatch_override(t: type) -> bool:

@@ -338,6 +338,60 @@ def test_backward_gradients_equal_plain_eager(pool):
         assert r["stats"]["fused_matmuls"] == 1
 
 
+# -- funcol's AsyncCollectiveTensor, used without .wait() -------------------------
+
+
+def _async_wrapper_worker(rank, group):
+    """Which ops on funcol's wrapper take the wrapper's own Python
+    (Note [Pending async tensors] in eagertp.mode)."""
+    from unittest import mock
+
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    x, (w,) = _inputs(rank, (4, 16), 8, torch.float32, True)
+    seen: list[str] = []
+    original = AsyncCollectiveTensor.__torch_dispatch__.__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        seen.append(func.__name__)
+        return original(cls, func, types, args, kwargs)
+
+    expected = all_gather(x, group).wait() @ w
+    results = {}
+    with mock.patch.object(AsyncCollectiveTensor, "__torch_dispatch__", classmethod(counting)):
+        for case, min_fuse_bytes in [("pending", 0), ("issued as written", 1 << 30)]:
+            seen.clear()
+            with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:
+                gathered = all_gather(x, group)
+                transposed = gathered.t()  # a view: the wrapper rewraps it, as torch does
+                got = gathered @ w
+                got_t = (transposed.t() @ w).sum()
+            results[case] = {
+                "wrapped": type(gathered) is AsyncCollectiveTensor,
+                "view_wrapped": type(transposed) is AsyncCollectiveTensor,
+                "seen": list(seen),
+                "ok": torch.equal(got, expected) and torch.equal(got_t, expected.sum()),
+                **fusion_report(pipe, counter),
+            }
+    return results
+
+
+def test_async_wrapper_of_a_pending_gather_is_unwrapped_by_the_mode(pool):
+    for r in pool.run(_async_wrapper_worker, 2):
+        pending, as_written = r["pending"], r["issued as written"]
+        assert pending["ok"] and as_written["ok"]
+        assert pending["wrapped"] and pending["view_wrapped"] and as_written["view_wrapped"]
+        # The matmul on the wrapper reached the mode once, unwrapped: the
+        # wrapper's Python saw only the view ops, and both matmuls fused.
+        assert pending["seen"] == ["t.default", "t.default"], pending["seen"]
+        assert pending["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 2}, pending["stats"]
+        assert pending["plain_all_gathers"] == 0
+        # A wrapper of a collective issued as written really waits: torch's path.
+        assert "mm.default" in as_written["seen"], as_written["seen"]
+        assert as_written["plain_all_gathers"] == 1
+        assert "all_gather_matmul" not in as_written["stats"], as_written["stats"]
+
+
 # -- flush triggers --------------------------------------------------------------
 
 
