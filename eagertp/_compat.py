@@ -19,6 +19,10 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 # funcol's, same arguments: (tensor, gather_dim, group) and (tensor, reduce_op, scatter_dim, group).
 funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+# Which ops funcol's AsyncCollectiveTensor rewraps (views), private to funcol: where a
+# torch lacks it, every op counts as one and takes the wrapper's own path
+# (Note [Pending async tensors] in eagertp.mode).
+funcol_is_view_op = getattr(funcol, "_is_view_op", lambda func: True)
 
 
 def exit_spawned_rank(code: int) -> NoReturn:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-from torch.distributed._functional_collectives import AsyncCollectiveTensor, _is_view_op
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -17,6 +17,7 @@ import eagertp.collectives.all_reduce  # noqa: F401
 import eagertp.collectives.c10d  # noqa: F401
 import eagertp.collectives.reduce_scatter  # noqa: F401
 import eagertp.matmuls  # noqa: F401
+from eagertp._compat import funcol_is_view_op
 from eagertp.deferred import tensor_leaves
 from eagertp.engine import Engine, written_tensors
 from eagertp.table import HANDLERS
@@ -106,7 +107,7 @@ def _unwrap_pending_async(engine: Engine, func, args: tuple, kwargs: dict) -> tu
     would), or None where the wrapper's own path must run."""
     is_view = _VIEW_OPS.get(func)
     if is_view is None:
-        is_view = _VIEW_OPS[func] = _is_view_op(func)
+        is_view = _VIEW_OPS[func] = funcol_is_view_op(func)
     if is_view:
         return None
     wrappers = [t for t in tensor_leaves(args, kwargs) if type(t) is AsyncCollectiveTensor]
