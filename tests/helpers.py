@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -78,6 +81,21 @@ def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
 
     _clear_sharding_prop_cache()
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+@contextlib.contextmanager
+def async_wrapper_ops() -> Iterator[list[str]]:
+    """The names of the ops that reach funcol's ``AsyncCollectiveTensor.__torch_dispatch__``
+    (its own Python: Note [Pending async tensors] in eagertp.mode), in order."""
+    seen: list[str] = []
+    original = funcol.AsyncCollectiveTensor.__torch_dispatch__.__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        seen.append(func.__name__)
+        return original(cls, func, types, args, kwargs)
+
+    with mock.patch.object(funcol.AsyncCollectiveTensor, "__torch_dispatch__", classmethod(counting)):
+        yield seen
 
 
 def fusion_report(pipe, counter: OpCounter) -> dict:

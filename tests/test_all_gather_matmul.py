@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DTYPES, OpCounter, all_gather, fusion_report, integer_tensor, random_tensor
+from helpers import DTYPES, OpCounter, all_gather, async_wrapper_ops, fusion_report, integer_tensor, random_tensor
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -344,21 +344,12 @@ def test_backward_gradients_equal_plain_eager(pool):
 def _async_wrapper_worker(rank, group):
     """Which ops on funcol's wrapper take the wrapper's own Python
     (Note [Pending async tensors] in eagertp.mode)."""
-    from unittest import mock
-
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     x, (w,) = _inputs(rank, (4, 16), 8, torch.float32, True)
-    seen: list[str] = []
-    original = AsyncCollectiveTensor.__torch_dispatch__.__func__
-
-    def counting(cls, func, types, args=(), kwargs=None):
-        seen.append(func.__name__)
-        return original(cls, func, types, args, kwargs)
-
     expected = all_gather(x, group).wait() @ w
     results = {}
-    with mock.patch.object(AsyncCollectiveTensor, "__torch_dispatch__", classmethod(counting)):
+    with async_wrapper_ops() as seen:
         for case, min_fuse_bytes in [("pending", 0), ("issued as written", 1 << 30)]:
             seen.clear()
             with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
-from helpers import ROWWISE_SCALES, OpCounter, all_reduce, device_mesh, fusion_report, integer_tensor
+from helpers import ROWWISE_SCALES, OpCounter, all_reduce, async_wrapper_ops, device_mesh, fusion_report, integer_tensor
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -73,6 +73,30 @@ def test_funcol_all_reduce_of_a_matmul_fuses(pool, world, reduce_op, backend):
     for r in run_on(backend, pool, _funcol_worker, world, reduce_op, False, (8, 8), True, False):
         assert r["ok"], r
         _assert_fused(r, {"matmul_all_reduce": 1}, backend)
+
+
+def _unwaited_worker(rank, group):
+    """The all-reduced result used without ``.wait()``: funcol's wrapper of a
+    pending placeholder, unwrapped by the mode (Note [Pending async tensors]
+    in eagertp.mode)."""
+    import torch.distributed._functional_collectives as funcol
+
+    h = integer_tensor((8, 8), torch.float32, seed=rank)
+    w = integer_tensor((6, 8), torch.float32, seed=100 + rank)
+    residual = integer_tensor((8, 6), torch.float32, seed=200)
+    expected = all_reduce(F.linear(h, w), group) + residual
+    with async_wrapper_ops() as seen, OpCounter() as counter, EagerMicroPipeline() as pipe:
+        reduced = funcol.all_reduce(F.linear(h, w), "sum", group)
+        wrapped = type(reduced) is funcol.AsyncCollectiveTensor
+        got = reduced + residual  # the residual add reads the reduced rows
+    return {"ok": torch.equal(got, expected), "wrapped": wrapped, "seen": list(seen), **_report(pipe, counter)}
+
+
+def test_all_reduced_result_read_without_wait_skips_the_wrappers_python(pool):
+    for r in pool.run(_unwaited_worker, 2):
+        assert r["ok"] and r["wrapped"], r
+        assert r["seen"] == [], r["seen"]  # the add reached the mode once, unwrapped
+        _assert_fused(r, {"matmul_all_reduce": 1})
 
 
 @pytest.mark.parametrize("world", WORLDS)
