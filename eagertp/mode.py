@@ -3,6 +3,7 @@ handler table (``eagertp.table``) that the families fill."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -98,17 +99,14 @@ class EagerTPMode(TorchDispatchMode):
 # path, which rewraps them). A wrapper of anything else (a collective issued as
 # written, on a group we do not manage) takes torch's path and really waits.
 _ASYNC_ONLY = (AsyncCollectiveTensor,)
-_VIEW_OPS: dict[torch._ops.OpOverload, bool] = {}
+_is_view = functools.cache(funcol_is_view_op)
 
 
 def _unwrap_pending_async(engine: Engine, func, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """``args`` and ``kwargs`` with each AsyncCollectiveTensor replaced by the
     placeholder it wraps (marked waited, as its own ``__torch_dispatch__``
     would), or None where the wrapper's own path must run."""
-    is_view = _VIEW_OPS.get(func)
-    if is_view is None:
-        is_view = _VIEW_OPS[func] = funcol_is_view_op(func)
-    if is_view:
+    if _is_view(func):
         return None
     wrappers = [t for t in tensor_leaves(args, kwargs) if type(t) is AsyncCollectiveTensor]
     if not wrappers or any(engine.store.owner(w.elem) is None for w in wrappers):
