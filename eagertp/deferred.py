@@ -824,8 +824,12 @@ class PendingStore:
         return self.last_tid
 
     def add_gather(self, gather: PendingGather) -> None:
+        key = storage_key(gather.out)
+        # NB: a gather into the program's own buffer: what filled it before
+        # completed first (Note [Every write is seen] in eagertp.engine).
+        assert key not in self._owner, f"all_gather ${gather.tid} into a buffer ${self._owner[key].tid} still fills"
         self.items.append(gather)
-        self._owner[storage_key(gather.out)] = gather
+        self._owner[key] = gather
         if not gather.shard_in_out():
             self.sending.setdefault(storage_key(gather.shard), []).append(gather)
 
@@ -932,8 +936,13 @@ class PendingStore:
                 return t
         return None
 
-    def is_input(self, t: torch.Tensor) -> bool:
-        return storage_key(t) in self._inputs
+    def readers(self, tensors: Iterable[torch.Tensor]) -> list[Pending]:
+        """The pending items whose work reads the storage of any of ``tensors``
+        (a gather's: its consumers'), in record order."""
+        keys = {key for t in tensors if (key := storage_key(t)) in self._inputs}
+        if not keys:
+            return []
+        return [item for item in self.items if any(storage_key(t) in keys for t in item.inputs())]
 
     def reset(self) -> None:
         assert not self.items, "reset with pending work would lose collectives"

@@ -183,15 +183,63 @@ class Engine:
         first, if it writes the shard of gathers in flight, their sends."""
         written = written_tensors(func, args, kwargs)
         if written:
-            if self.store.sending:
-                self.release_shards(func, written)
-            if any(self.store.is_input(t) for t in written):
-                self.flush(Reason("{} wrote an input of pending work", func))
-                return
+            # NB: the owners of what it writes are among what it reads, below.
+            self.before_write(func, written, owners=False)
         tensors = tensor_leaves(args, kwargs)
         first = self.store.touched(tensors)
         if first is not None and not _is_metadata_only(func):
             self.complete_owners(tensors, func, first=first)
+
+    # Note [Every write is seen]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Pending work reads its inputs, and a gather in flight writes its
+    # placeholder, later than the program point that issued it. So before any
+    # op writes memory (Invariant 9), by storage, which covers every view and
+    # alias of it (Megatron's global buffer hands out views of one storage in
+    # several shapes, and gathers into it layer after layer):
+    #
+    # - the pending items that read it complete (``PendingStore.readers``: the
+    #   inputs of standalone products and of a gather's consumers);
+    # - the pending item that owns it completes: a gather in flight into the
+    #   program's own buffer, or a product's placeholder. A new collective into
+    #   a buffer a gather in flight still fills waits its turn, in program
+    #   order. Not where the op itself takes the product in (an all-reduce in
+    #   place of a pending product fuses with it);
+    # - gathers in flight that send from it stop sending first, and stay
+    #   pending (Note [Sends from the shard]).
+    #
+    # Unrelated pending work stays pending. What writes: an op no handler takes
+    # says so in its schema (in place, ``out=``, ``copy_``, ``set_``,
+    # ``resize_``, ``_foreach_*_``) or is a c10d in-place collective, whose
+    # schemas do not (``written_tensors``): ``complete_for``. The handlers that
+    # write call ``before_write`` themselves: raw c10d's all-gather and
+    # reduce-scatter outputs (``eagertp.collectives.c10d``), the all-reduce in
+    # place (``eagertp.collectives.all_reduce``). A handler's path that issues
+    # the collective as written goes through ``complete_for``. Every other
+    # handler writes nothing: matmuls, funcol's out-of-place collectives,
+    # views, ``cat``, ``add``, ``_to_copy`` return new tensors.
+    # tests/test_buffer_reuse.py draws programs that reuse buffers so.
+
+    def before_write(self, func: Any, written: Sequence[torch.Tensor], *, owners: bool = True) -> None:
+        """Complete what must come before ``func`` writes ``written`` (Note
+        [Every write is seen]): the pending work that reads them, and, with
+        ``owners``, the pending items whose placeholders they are."""
+        store = self.store
+        if not store.items:
+            return
+        if store.sending:
+            self.release_shards(func, written)
+        readers = store.readers(written)
+        filled = store.owners(written) if owners else []
+        if readers or filled:
+            found = {id(item) for item in (*readers, *filled)}
+            items = [item for item in store.items if id(item) in found]
+            keys = {storage_key(t) for t in written}
+            what = [f"what ${tid} reads" for item in readers for tid in _reading(item, keys)]
+            what += [f"${item.tid}'s buffer" for item in filled]
+            reason = Reason("{} writes {}", func, " and ".join(what))
+            self.trace.event("wait: {}", reason)
+            self.complete(items, reason)
 
     # Note [Sends from the shard]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -825,6 +873,14 @@ class _IssuingWork:
             self.below_autograd.__exit__(*exc)
         finally:
             self.engine.issuing = self.was_issuing
+
+
+def _reading(item: Pending, keys: set[int]) -> list[int]:
+    """The trace ids of the matmuls of ``item`` (a gather's consumers) that read
+    any of the storages ``keys``."""
+    if not isinstance(item, PendingGather):
+        return [item.tid]
+    return [mm.tid for mm in item.consumers if any(storage_key(t) in keys for t in mm.inputs())]
 
 
 def _and_made_first(why: Reason, gather: PendingGather) -> Reason:

@@ -21,7 +21,7 @@ from eagertp.deferred import PendingGather, Product, ScatterView
 from eagertp.engine import Engine, check_equal, check_ranks_agree, profiler_range
 from eagertp.patterns import ReduceScatterPlan
 from eagertp.table import register
-from eagertp.trace import Reason, Text
+from eagertp.trace import Text
 
 _c10d_functional = torch.ops._c10d_functional
 
@@ -99,9 +99,8 @@ def all_reduce(
     if as_written is not None:
         signature = f"{kind} of {tensor_str(inp)}"
         return engine.issue_as_is(func, args, kwargs, kind, inp, group, as_written, signature)
-    if in_place and engine.store.is_input(inp):
-        # NB: as for any op that writes what pending work reads (Engine.complete_for).
-        engine.flush(Reason("{} wrote an input of pending work", func))
+    if in_place:  # Note [Every write is seen] in eagertp.engine: its product is ours to take
+        engine.before_write(func, [inp], owners=False)
     result = inp if in_place else engine.placeholder(inp, inp.shape)
     rows = result.view(-1, result.shape[-1])  # [M, N]: a product's rows, whatever view it is reduced in
     m = rows.shape[0] // world
