@@ -220,10 +220,14 @@ class Engine:
     # views, ``cat``, ``add``, ``_to_copy`` return new tensors.
     # tests/test_buffer_reuse.py draws programs that reuse buffers so.
 
-    def before_write(self, func: Any, written: Sequence[torch.Tensor], *, owners: bool = True) -> None:
+    def before_write(
+        self, func: Any, written: Sequence[torch.Tensor], *, owners: bool = True, takes: torch.Tensor | None = None
+    ) -> None:
         """Complete what must come before ``func`` writes ``written`` (Note
         [Every write is seen]): the pending work that reads them, and, with
-        ``owners``, the pending items whose placeholders they are."""
+        ``owners``, the pending items whose placeholders they are. ``takes``:
+        the collective's input, which it fuses with the product that makes it,
+        so that product stays pending."""
         store = self.store
         if not store.items:
             return
@@ -231,6 +235,9 @@ class Engine:
             self.release_shards(func, written)
         readers = store.readers(written)
         filled = store.owners(written) if owners else []
+        keep = [] if takes is None else store.owners([takes])
+        readers = [item for item in readers if item not in keep]
+        filled = [item for item in filled if item not in keep]
         if readers or filled:
             found = {id(item) for item in (*readers, *filled)}
             items = [item for item in store.items if id(item) in found]
@@ -239,7 +246,7 @@ class Engine:
             what += [f"${item.tid}'s buffer" for item in filled]
             reason = Reason("{} writes {}", func, " and ".join(what))
             self.trace.event("wait: {}", reason)
-            self.complete(items, reason)
+            self.complete(items, reason, keep=keep)
 
     # Note [Sends from the shard]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -358,14 +365,16 @@ class Engine:
             self.trace.event("flush: {}", reason)
             self.complete(list(self.store.items), reason)
 
-    def complete(self, items: list[Pending], reason: str | Reason) -> None:
+    def complete(self, items: list[Pending], reason: str | Reason, *, keep: Sequence[Pending] = ()) -> None:
         """Complete ``items`` (record order): each gather with the consumers bound
-        to it, each product computed (or skipped if nothing can read it)."""
+        to it, each product computed (or skipped if nothing can read it).
+        ``keep``: products not to compute as work in flight, although they are
+        (the input of the collective that completes these items, which takes it)."""
         # Complete every item even if one fails, so that no placeholder is left
         # unfilled and no transfer half-received; then raise the first failure.
         failure: BaseException | None = None
         with self.issuing_work():
-            for item in self._with_work_in_flight(items):
+            for item in self._with_work_in_flight(items, keep):
                 if item not in self.store.items:
                     continue  # completed earlier in this call, as work in flight
                 if isinstance(item, PendingGather) and self._data_gathers(item, items):
@@ -386,14 +395,14 @@ class Engine:
         if failure is not None:
             raise failure
 
-    def _with_work_in_flight(self, items: list[Pending]) -> list[Pending]:
+    def _with_work_in_flight(self, items: list[Pending], keep: Sequence[Pending] = ()) -> list[Pending]:
         """``items``, each gather preceded by every standalone product still
-        pending and not absorbed: the transfer hides behind them (Note [Work
-        issued while a gather is in flight])."""
+        pending and not absorbed but those in ``keep``: the transfer hides
+        behind them (Note [Work issued while a gather is in flight])."""
         ordered: list[Pending] = []
         for item in items:
             if isinstance(item, PendingGather) and item in self.store.items:
-                ordered += self.store.standalone(absorbed=False)
+                ordered += [p for p in self.store.standalone(absorbed=False) if p not in keep]
             ordered.append(item)
         return ordered
 
@@ -855,7 +864,7 @@ class _IssuingWork:
     """``Engine.issuing_work()``. NB: a class, not a generator under
     ``contextlib.contextmanager``: entered twice or more per fused call, where
     the generator's machinery cost about 1.5 us each (benchmarks/NOTES.md,
-    session 11)."""
+    2026-12-02 at 5ce2715)."""
 
     __slots__ = ("engine", "was_issuing", "below_autograd")
 

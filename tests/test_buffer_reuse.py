@@ -110,6 +110,14 @@ def _writes_worker(rank, group, how):
             dist.reduce_scatter_tensor(buf[:R], h.clone(), group=group)
         elif how == "all_gather out":
             dist.all_gather_into_tensor(buf, h[:R].clone(), group=group)
+        elif how == "broadcast":
+            dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+        elif how == "all_to_all out":
+            dist.all_to_all_single(buf, h.clone(), group=group)
+        elif how == "set_":  # buf now views other memory: y must have read the old
+            buf.set_(h.clone())
+        elif how == "resize_":  # buf's shape changes: y must have read the old
+            buf.resize_(R, H)
         out = torch.empty(R, H)
         dist.reduce_scatter_tensor(out, z, group=group)
         return y.clone(), buf.clone(), out
@@ -124,7 +132,10 @@ def _writes_worker(rank, group, how):
     }
 
 
-WRITES = ["add_", "copy_", "mm out=", "all_reduce in place", "reduce_scatter out", "all_gather out"]
+WRITES = [
+    "add_", "copy_", "mm out=", "all_reduce in place", "reduce_scatter out", "all_gather out", "broadcast",
+    "all_to_all out", "set_", "resize_",
+]
 
 
 @pytest.mark.parametrize("how", WRITES)
@@ -135,7 +146,9 @@ def test_a_write_completes_only_the_work_that_reads_it(pool, how):
         op = {
             "add_": "aten.add_.Tensor", "copy_": "aten.copy_.default", "mm out=": "aten.mm.out",
             "all_reduce in place": "c10d.allreduce_.default", "reduce_scatter out": "c10d._reduce_scatter_base_.default",
-            "all_gather out": "c10d._allgather_base_.default",
+            "all_gather out": "c10d._allgather_base_.default", "broadcast": "c10d.broadcast_.default",
+            "all_to_all out": "c10d.alltoall_base_.default", "set_": "aten.set_.source_Tensor",
+            "resize_": "aten.resize_.default",
         }[how]
         assert r["waits"][0] == f"wait: {op} writes what $0 reads", r
 

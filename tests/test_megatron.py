@@ -144,3 +144,44 @@ def test_megatron_gpt_trains_as_in_plain_eager(pool):
         stats = dict(_EXPECTED[("gpt", True)][0])
         stats["unfused_all_reduce"] += 2 * 5 + 4
         assert r["stats"] == stats, r
+
+
+def _global_buffer_worker(rank, group):
+    """Megatron's own gather and reduce-scatter into its global buffer
+    (``use_global_buffer=True``, as its MoE token dispatcher calls them): the
+    reduce-scatter writes the buffer that the gather in flight fills and a
+    pending matmul reads, so that work completes first (Note [Every write is
+    seen] in eagertp.engine); both still fuse."""
+    import megatron_cpu
+    from helpers import integer_tensor
+    from megatron.core.tensor_parallel import mappings
+
+    world = group.size()
+    x = integer_tensor((4, 8), torch.float32, seed=rank)
+    w, v = integer_tensor((8, 6), torch.float32, seed=3), integer_tensor((8, 8), torch.float32, seed=4)
+    h = integer_tensor((4 * world, 8), torch.float32, seed=5 + rank)
+
+    def program():
+        gathered = mappings.gather_from_sequence_parallel_region(x, group=group, use_global_buffer=True)
+        y = gathered @ w  # pending on the gather in flight
+        scattered = mappings.reduce_scatter_to_sequence_parallel_region(h @ v, group=group, use_global_buffer=True)
+        return y.clone(), scattered.clone()
+
+    with megatron_cpu.megatron_on_cpu(group):
+        expected = program()
+        with OpCounter() as counter, EagerMicroPipeline() as pipe:
+            got = program()
+    return {
+        "equal": [torch.equal(g, e) for g, e in zip(got, expected)],
+        "stats": dict(pipe.stats),
+        "plain_collectives": counter.collectives,
+        "waits": [e for e in pipe.debug_string().splitlines() if e.startswith("wait")],
+    }
+
+
+def test_megatron_reduce_scatter_into_the_global_buffer_a_gather_fills(pool):
+    for r in pool.run(_global_buffer_worker, 2):
+        assert all(r["equal"]), r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1, "matmul_reduce_scatter": 1}, r
+        assert not any(c.startswith(("_allgather", "_reduce_scatter")) for c in r["plain_collectives"]), r
+        assert r["waits"] == ["wait: c10d._reduce_scatter_base_.default writes $0's buffer"], r

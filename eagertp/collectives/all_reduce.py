@@ -100,7 +100,7 @@ def all_reduce(
         signature = f"{kind} of {tensor_str(inp)}"
         return engine.issue_as_is(func, args, kwargs, kind, inp, group, as_written, signature)
     if in_place:  # Note [Every write is seen] in eagertp.engine: its product is ours to take
-        engine.before_write(func, [inp], owners=False)
+        engine.before_write(func, [inp], owners=False, takes=inp)
     result = inp if in_place else engine.placeholder(inp, inp.shape)
     rows = result.view(-1, result.shape[-1])  # [M, N]: a product's rows, whatever view it is reduced in
     m = rows.shape[0] // world

@@ -63,7 +63,7 @@ def _c10d_all_gather(engine: Engine, func, args, kwargs):
     too_small = engine.backend.size_rule(shard.device.type, "all_gather", shard.nbytes)
     if too_small is not None:
         return engine.issue_as_is(func, args, kwargs, "all_gather", shard, group, too_small, gather_signature(shard))
-    engine.before_write(func, [output])  # Note [Every write is seen] in eagertp.engine
+    engine.before_write(func, [output], takes=shard)  # Note [Every write is seen] in eagertp.engine
     engine.start_gather(shard, group, out=output.view(world * shard.shape[0], *shard.shape[1:]))
     return output, _work(output)
 
@@ -80,7 +80,7 @@ def _c10d_reduce_scatter(engine: Engine, func, args, kwargs):
     if inp.dim() == 0 or inp.shape[0] % world or not output.is_contiguous() or output.numel() * world != inp.numel():
         return engine.run_plain(func, args, kwargs)  # plain eager accepts it or raises
     out = output.view(inp.shape[0] // world, *inp.shape[1:])
-    engine.before_write(func, [output])  # Note [Every write is seen] in eagertp.engine
+    engine.before_write(func, [output], takes=inp)  # Note [Every write is seen] in eagertp.engine
     result = reduce_scatter(engine, func, args, kwargs, inp, name, group, out=out)
     return result if isinstance(result, tuple) else (output, _work(output))
 
