@@ -6,7 +6,7 @@ of CPU copy time, in two forms (``--duplex``):
 
     half (default): every rank in one namespace, its loopback shaped with tbf:
         one queue carries both ranks' sends, so a 2-rank exchange takes twice
-        a one-way transfer (a shared bus; the rig issue #14's targets were set on)
+        a one-way transfer (a shared bus; the rig the hand-schedule targets were set on)
     full: each rank in a namespace of its own, its veth port on a bridge
         shaped both ways (rank -> bridge, bridge -> rank): a switch with
         full-duplex ports, as NVLink, InfiniBand and Ethernet are; an exchange
@@ -19,7 +19,7 @@ tbf's burst (``--link-burst``) is one packet by default, as on a wire: a link
 that idled moves the next bytes no faster. A larger bucket fills while the link
 idles and then lets that many bytes through at memory speed: with 1 MB, a 512
 KiB exchange took 0.7 ms after an idle spell against 4.2 ms back to back
-(benchmarks/NOTES.md, session 10), which favours a collective issued after a
+(benchmarks/NOTES.md, 2026-12-02 at 445c947), which favours a collective issued after a
 matmul (plain eager's) over one overlapped with it.
 
 Timing: every sample is taken on all ranks between barriers, and the slowest

@@ -11,7 +11,7 @@ sample the slowest rank's, a ``with`` block per eagertp call):
 
 - ``hand``: ``hand_schedules.<form>`` in the ring's pieces (the reduce-scatter's
   one, the gather's ``piece_rows``), its buffers made once (the row of
-  ``overlap.py`` the issue #14 target compares with);
+  ``overlap.py`` compares eagertp with);
 - ``ring``: eagertp's ring called alone (``RingBackend.produce_reduce_scatter``
   producing each chunk with ``torch.mm``; ``start_all_gather``, then
   ``consume`` multiplying each piece): eagertp's schedule without the mode,
@@ -44,7 +44,7 @@ The all-gather + matmul, whose matmul runs at the block's exit:
 
 Everything before ``consume`` delays the first matmul, which the hand
 schedule starts as soon as it has posted its messages (benchmarks/NOTES.md,
-session 20). The marks wrap eagertp's handler (``eagertp.table.HANDLERS``)
+2026-12-03 at c0b0836). The marks wrap eagertp's handler (``eagertp.table.HANDLERS``)
 and the ring's entry points for the whole run, two clock reads each. 2 ranks
 only: the hand schedules are 2-rank ones.
 

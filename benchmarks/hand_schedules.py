@@ -4,7 +4,7 @@ What the best a programmer can do on 2 ranks with ``isend``/``irecv`` and
 ``mm(out=)``, each form in ``pieces`` pieces per chunk, so that the matmul of
 one piece overlaps the transfer of the next. ``overlap.py`` times every piece
 count in its round-robin and reports the fastest as the hand schedule a fused
-op should match (issue #14). A schedule's buffers are made when it is built;
+op should match. A schedule's buffers are made when it is built;
 ``overlap.py`` also times each one built anew at every call, allocating them
 as the program it replaces allocates its results. Only 2 ranks: with more, the best schedule is a
 ring of its own, and these stay out of the table.

@@ -297,7 +297,7 @@ def over_hand_held_out(rounds: list[dict[str, float]], prefix: str = "t_hand_") 
     The plain ``t_fused / min(t_hand_<p>)`` picks the smallest of several
     noisy medians, which reads low on average (a schedule that was lucky in
     this run), so the ratio reads high; here the luck that chose a schedule
-    does not also time it. Session 20 (benchmarks/NOTES.md), 22 rows of
+    does not also time it. Measured 2026-12-03 at c0b0836 (benchmarks/NOTES.md): 22 rows of
     41-61 rounds: the plain ratio read 1% above this one at the median
     (quartiles -1% and +4%)."""
     if len(rounds) < 4:

@@ -22,7 +22,7 @@ what they will say (shapes as ``Meta``, ids, op names) and format it when
 someone reads the trace: ``Trace.event(render, *args)``, ``Lazy``, ``Reason``.
 Formatting everything when it happened cost up to 8% of the instructions
 eagertp adds to a fused call (the all-reduce's; ``benchmarks/call_instructions.py``,
-benchmarks/NOTES.md session 12).
+benchmarks/NOTES.md, 2026-12-02 at ea603cc).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class WorkerCrashWarning(UserWarning):
 # corrupted earlier in the process's life, by a job we could not identify
 # (valgrind of the jobs of the module it surfaced in and the one before, all
 # on 2 ranks and up to the crash on 4, and of every _scaled_mm call they make,
-# found nothing: benchmarks/NOTES.md, session 17). A test then failed that
+# found nothing: benchmarks/NOTES.md, 2026-12-02 at 94d3a94). A test then failed that
 # passes alone. So a job whose worker dies runs once more on a fresh pool: it
 # fails only if it dies again, and a crash it survives is kept whole (how each
 # rank died, faulthandler's stacks, the jobs the pool ran before) in
@@ -161,7 +161,7 @@ def _worker(rank: int, port: int, conn: multiprocessing.connection.Connection, c
 # pool's WORLD ranks must make every group, in the same order. A job on fewer
 # ranks that makes one (init_device_mesh over 2 of the 4 ranks) leaves the
 # counters apart: a later job's new group then waits on the store for keys
-# its peers wrote under other names, a hang far from its cause (session 18:
+# its peers wrote under other names, a hang far from its cause (2026-12-03 at c733743:
 # test_pipelining's 2 x 2 mesh, 60 s, after a 2-rank init_device_mesh in
 # test_matmul_all_gather). So each rank reports how many groups it has made
 # after every job, and a job that left them apart fails by name. A job on

@@ -1,4 +1,4 @@
-"""FP8 with row-wise scales gathered alongside the data (issue #16): each rank
+"""FP8 with row-wise scales gathered alongside the data: each rank
 quantizes its shard row-wise, then gathers the FP8 bytes (as uint8) and the
 per-row scales, and multiplies ``_scaled_mm(gathered, w, gathered_scale,
 scale_b)``. The matmul fuses with the data's gather and the scale's gather

@@ -690,10 +690,10 @@ _COMBINE = {"sum": _add, "avg": _add, "max": _max, "min": _min, "product": _mul}
 # [1, S, V/W] logits) splits along S as [S/W, D] would, where splitting dim 0
 # would leave it whole: no consumer could start before the peer's whole shard
 # had landed, and no product could be sent as it is made (benchmarks/NOTES.md,
-# session 15: its gather of a product went from 1.0x to 1.2-1.3x unfused).
+# 2026-12-02 at 446ea6a: its gather of a product went from 1.0x to 1.2-1.3x unfused).
 # An all-reduced chunk splits from 2 MiB: each piece costs two messages (its
 # partial sums, then its reduced rows), which a 1 MiB chunk, the smallest the
-# size rule fuses on CPU, does not earn back (session 19: the no-SP step 3%
+# size rule fuses on CPU, does not earn back (2026-12-03 at 0bc2d19: the no-SP step 3%
 # faster on loopback whole, the same on 2gbit; the K = 1024 op 2% slower).
 PIECES: dict[str, tuple[int, int]] = {
     "all_gather": (2, 256 << 10),
@@ -712,7 +712,7 @@ PIECES: dict[str, tuple[int, int]] = {
 # receive is known starts writing its message into the socket at once, on
 # the posting thread, where a send posted first is written later by gloo's
 # own thread. What each rank posts, and in which order per peer, is
-# unchanged (Invariant 2). Measured (benchmarks/NOTES.md, session 20): at
+# unchanged (Invariant 2). Measured (benchmarks/NOTES.md, 2026-12-03 at c0b0836): at
 # M = K = 1024 on 2gbit the first receive is posted 0.37 ms after the
 # program issues the gather (before: the first of 4 sends at 0.41 ms, the
 # receives after them); the posts took 0.5-2.5 ms of the program's thread
@@ -733,12 +733,12 @@ PIECES: dict[str, tuple[int, int]] = {
 # message of that piece as it lands, its matmul overlapping the next
 # message's transfer. The rank's own choice: the messages are the same
 # either way. Why by waiting and not by a rule on shapes: whether smaller
-# matmuls pay depends on the link (benchmarks/NOTES.md, session 19: by the
+# matmuls pay depends on the link (benchmarks/NOTES.md, 2026-12-03 at 0bc2d19: by the
 # shapes alone, per message ran the all-gather + matmul at M = K = 1024,
 # N = 256-512 4-13% closer to the best hand schedule on 2gbit, and 7-9%
 # slower on loopback, where the messages land before the consumer gets to
 # them). What 4 pieces cost at large N was those smaller matmuls, not the
-# messages (session 18: 4 messages in 2 matmuls, 0.98-1.01x of 2 in 2).
+# messages (2026-12-03 at c733743: 4 messages in 2 matmuls, 0.98-1.01x of 2 in 2).
 # Each output row is the same matmul of its own rows whichever way its rows
 # are grouped: the bits of CPU matmuls did not change with the rows grouped
 # by 8 or more, but may on other BLAS, so results may vary run to run within
@@ -747,7 +747,7 @@ PIECES: dict[str, tuple[int, int]] = {
 # call reads and writes their whole output again.
 WIRE_SPLIT = 2
 # A wait for a 512 KiB receive that had landed took 70 us at the median, 134
-# at most, with a core busy (session 19); a 2gbit link moves it in 2-4 ms.
+# at most, with a core busy (2026-12-03 at 0bc2d19); a 2gbit link moves it in 2-4 ms.
 WAITED_S = 300e-6
 
 
