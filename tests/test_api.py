@@ -13,7 +13,11 @@ from eagertp._format import group_str
 
 
 def test_public_names():
-    assert eagertp.__all__ == ["BACKENDS", "Backend", "EagerMicroPipeline", "PeerError", "VerificationError"]
+    assert eagertp.__all__ == [
+        "BACKENDS", "Backend", "Calibration", "EagerMicroPipeline", "PeerError", "VerificationError",
+        "calibrate_min_fuse_bytes",
+    ]
+    assert all(hasattr(eagertp, name) for name in eagertp.__all__)
     assert sorted(eagertp.BACKENDS) == ["reference", "ring", "symm_mem"]
 
 
@@ -202,3 +206,21 @@ def test_the_handler_table_refuses_a_second_handler_and_finds_the_ops_the_dispat
     with Seen():
         torch.ones(2, 2) @ torch.ones(2, 2)
     assert [f for f in seen if f._op in HANDLERS] == [mm], seen
+
+
+def test_info_prints_what_a_bug_report_needs():
+    """``python -m eagertp.info``, as a user runs it: versions, devices, which
+    backends can serve here and why not, the size rule in force; nothing on
+    stderr, no process group needed."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "eagertp.info"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"eagertp {eagertp.__version__}"
+    assert lines[1].startswith(f"torch {torch.__version__} ")
+    assert "  gloo: yes" in lines
+    assert "  ring: any process group (point-to-point ops)" in lines
+    assert "  symm_mem: no: no CUDA device here (it needs CUDA tensors)" in lines or torch.cuda.is_available()
+    assert "  cpu: all_gather 1 MiB, reduce_scatter 512 KiB, all_reduce 1 MiB" in lines
