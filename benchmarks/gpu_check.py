@@ -5,10 +5,11 @@
 For world size 1 on each device (one process, NCCL), runs all-gather + matmul
 and matmul + reduce-scatter with ``EagerMicroPipeline(backend="symm_mem")``,
 checks the results against plain eager (bf16 tolerance) and that the fused
-path ran, and times both (CUDA events, medians). Then, correctness only, two
-processes sharing device 0 over a gloo group (NCCL refuses two ranks on one
-GPU), if CUDA symmetric memory permits it: where it does not, the table says
-why. That part adds a weight-gradient contraction over the gathered rows, whose
+path ran, and times both (CUDA events, medians). World size 1 skips the
+workspace and its barriers, so then, correctness only, two processes share
+device 0 over a gloo group (NCCL refuses two ranks on one GPU): gathers in
+flight, reduce-scatter and all-reduce on the symm_mem path; a part that does
+not run fails the check. That part adds a weight-gradient contraction over the gathered rows, whose
 chunks add into one output behind the comm stream's per-chunk events (Note
 [Gathers in flight on the comm stream]): the one multi-rank check of that
 ordering on a real GPU. Prints a
@@ -132,6 +133,8 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
     import torch
     import torch.distributed as dist
 
+    import torch.distributed._functional_collectives as funcol
+
     from eagertp import EagerMicroPipeline
     from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 
@@ -150,10 +153,16 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
         b = torch.randn(k, n, generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
         h = torch.randn(m, n, generator=torch.Generator().manual_seed(8)).to(device, torch.bfloat16)
         # op -> (program, the stat that proves it fused, atol)
+        def two_in_flight(x):  # two gathers in flight on the comm stream, consumed in reverse order
+            first, second = funcol_all_gather(x, 0, group), funcol_all_gather(x * 2, 0, group)
+            later = second @ b.to(x.device)
+            return torch.cat([first @ b.to(x.device), later])
+
         cases = {
             "all_gather_matmul": (
                 lambda x: funcol_all_gather(x, 0, group) @ b.to(x.device), "all_gather_matmul", 2e-2
             ),
+            "two_gathers_in_flight": (two_in_flight, "all_gather_matmul", 4e-2),
             # A weight gradient: every chunk adds into one output (ordered across
             # streams). Its sums of m products reach ~sqrt(m): a bf16 ulp is ~0.25 there.
             "all_gather_contraction": (
@@ -163,6 +172,10 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
                 lambda x: funcol_reduce_scatter(x @ b.to(x.device), "sum", 0, group).wait(),
                 "matmul_reduce_scatter",
                 2e-2,
+            ),
+            # Its reduce-scatter half through torch's primitive, its gather half on the comm stream.
+            "matmul_all_reduce": (
+                lambda x: funcol.all_reduce(x @ b.to(x.device), "sum", group).wait(), "matmul_all_reduce", 4e-2
             ),
         }
         for op, (program, stat, atol) in cases.items():
@@ -176,6 +189,8 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
                 row.update(correct=ok, fused_ran=pipe.stats[stat] == 1, explain=pipe.explain())
             except Exception as e:  # noqa: BLE001 - reported: does symm_mem permit a shared GPU?
                 row.update(correct=None, fused_ran=None, explain=f"{type(e).__name__}: {e}".splitlines()[0])
+            if row["fused_ran"] is not None and op == "two_gathers_in_flight":
+                row["fused_ran"] = pipe.stats[stat] == 2
             rows.append(row)
         dist.barrier()
     finally:
@@ -190,6 +205,11 @@ def check_shared_device(args: argparse.Namespace) -> list[dict]:
     import queue
     import socket
 
+    # Two ranks on one device: torch's workspace rendezvous refuses "allocations
+    # from overlapping devices" unless told that is intended. Without this the
+    # part never reaches the gather path (world size 1 skips the workspace and
+    # its barriers), so the check would prove nothing about it.
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as sock:
@@ -231,7 +251,7 @@ def main(argv=None) -> int:
     if args.shared_dry_run:
         shared = check_shared_device(args)
         _print_shared(shared)
-        return 0 if all(r["correct"] and r["fused_ran"] for r in shared) else 1
+        return verdict([], shared)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check")
         return 0
@@ -251,8 +271,22 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size_1": rows, "shared_device": shared}, f, indent=1)
-    ran = [r for r in shared if r["correct"] is not None]  # where symm_mem permits a shared GPU
-    return 0 if all(r["correct"] and r["fused_ran"] for r in rows + ran) else 1
+    return verdict(rows, shared)
+
+
+def verdict(rows: list[dict], shared: list[dict]) -> int:
+    """The exit status: 0 only if every row ran, was correct and fused. A part
+    that did not run fails the check, loudly: the two-process part is the only
+    one that reaches the gather path on a GPU."""
+    not_run = [r for r in rows + shared if r["correct"] is None]
+    if not_run:
+        print(f"gpu_check: FAILED: {len(not_run)} part(s) did not run; the first: {not_run[0]['explain']}")
+        return 1
+    failed = [r for r in rows + shared if not (r["correct"] and r["fused_ran"])]
+    if failed:
+        print(f"gpu_check: FAILED: {len(failed)} part(s) wrong or not fused")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class _Handle:
         self.world_size = group.size()
         with _disable_current_modes():
             self._signal_pad = torch.zeros(64, dtype=torch.uint8)  # a byte per channel
+        self._barriers: dict[int, int] = {}  # channel -> barriers this rank has reached on it
 
     def get_buffer(self, rank: int, sizes, dtype: torch.dtype, storage_offset: int = 0) -> torch.Tensor:
         flat = self._buffers[rank].view(dtype)
@@ -72,10 +73,25 @@ class _Handle:
         return flat[storage_offset : storage_offset + numel].view(sizes)
 
     def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
-        # A signal-pad barrier on CUDA, no c10d op: hidden from the tests' op counters.
+        """A signal-pad barrier on CUDA, no c10d op: hidden from the tests' op
+        counters. On CUDA each rank signals every peer on its channel of this
+        allocation's signal pad and waits for theirs: ranks on different
+        channels, at different barriers of one channel, or on different
+        workspaces never match, and wait forever (or until ``timeout_ms``, then
+        trap). Here every rank compares what it is at, and all fail at once."""
         with _disable_current_modes():
-            dist.barrier(group=self._group)
-            self._streams.barrier(self._signal_pad[channel : channel + 1], channel)
+            self._barriers[channel] = self._barriers.get(channel, 0) + 1
+            at = torch.tensor([channel, self._barriers[channel], self._buffers[self.rank].numel()])
+            every = [torch.empty_like(at) for _ in range(self.world_size)]
+            dist.all_gather(every, at, group=self._group)
+            if any(not torch.equal(other, at) for other in every):
+                per_rank = "; ".join(f"rank {r}: {t.tolist()}" for r, t in enumerate(every))
+                raise RuntimeError(
+                    f"emulated symmetric memory: ranks meet at different barriers (channel, barrier number on "
+                    f"it, workspace bytes): {per_rank}. On CUDA their signal waits would never match: a hang"
+                    + (f", then a trap after {timeout_ms} ms" if timeout_ms else " with no end (no timeout_ms)")
+                )
+            self._streams.barrier(self._signal_pad[channel : channel + 1], channel, timeout_ms)
 
 
 class _SharedMemorySymmetricMemory:
@@ -292,12 +308,13 @@ class EmulatedStreams:
             self._peers[stream.name] = _InOrderStream(f"peers' {stream.name}", self)
         return self._peers[stream.name]
 
-    def barrier(self, pad_byte: torch.Tensor, channel: int) -> None:
+    def barrier(self, pad_byte: torch.Tensor, channel: int, timeout_ms: int = 0) -> None:
         """A barrier on the current stream: it writes its channel's signal pad
         (two unordered barriers on one channel race: on CUDA they would take
-        each other's signals), then syncs with the peers' same stream."""
+        each other's signals), then syncs with the peers' same stream. The log
+        says its timeout, where it has one."""
         stream = self.current()
-        self.log.append(f"{stream.name} barrier {channel}")
+        self.log.append(f"{stream.name} barrier {channel}" + (f" timeout {timeout_ms} ms" if timeout_ms else ""))
         self.access(f"barrier(channel={channel})", pad_byte, write=True)
         peers = self._peers_of(stream)
         stream.merge(peers.clock)

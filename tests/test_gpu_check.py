@@ -19,5 +19,23 @@ def test_gpu_check_shared_device_part_runs_on_cpu():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in (0, 1):
-        for op in ("all_gather_matmul", "all_gather_contraction", "matmul_reduce_scatter"):
+        for op in (
+            "all_gather_matmul", "two_gathers_in_flight", "all_gather_contraction", "matmul_reduce_scatter",
+            "matmul_all_reduce",
+        ):
             assert f"rank {rank} {op}: correct True, fused True" in done.stdout, done.stdout
+
+
+def test_gpu_check_fails_when_a_part_did_not_run():
+    """A part that could not run (torch's rendezvous refusing two ranks on one
+    device, a hang) fails the check instead of dropping out of it."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    ran = {"correct": True, "fused_ran": True, "explain": ""}
+    not_run = {"correct": None, "fused_ran": None, "explain": "RuntimeError: detected allocations from overlapping devices"}
+    assert gpu_check.verdict([ran], [ran, ran]) == 0
+    assert gpu_check.verdict([ran], [ran, not_run]) == 1
+    assert gpu_check.verdict([dict(ran, fused_ran=False)], []) == 1

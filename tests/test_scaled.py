@@ -137,3 +137,46 @@ def test_scaled_matmul_the_meta_kernel_rejects_runs_unfused_with_reason(pool):
     for r in results:
         assert r["ok"] and r["stats"] == {"unfused_all_gather": 1}, r
     assert_expected_inline(results[0]["explain"], """all_gather #0 u8[4, 16] -> u8[8, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten._scaled_mm.default reads it with operands that do not defer (_scaled_mm's meta kernel: Expected both dimensions of mat2 to be divisible by 16 but got torch.Size([16, 8])), and none ran while it was in flight""")
+
+
+def _unaligned_scale_rows_worker(rank, group):
+    """Row-wise scales selected per piece start at ``4 * rows`` bytes: with
+    pieces of 6 and 5 rows, off the 16-byte boundary cuBLAS's row-wise kernel
+    requires. Every ``_scaled_mm`` eagertp issues gets aligned scales (copied
+    where needed), and the result is plain eager's."""
+    from unittest import mock
+
+    from eagertp.backends import ring
+
+    world = group.size()
+    x = fp8_tensor((16, 32), seed=rank)
+    w = col_major(fp8_tensor((32, 16), seed=50))
+    scale_a, scale_b = fp8_scales("rowwise", 16 * world, 16, seed=60)
+    offsets = []
+    original = torch._scaled_mm
+
+    def recording(a, b, sa, sb, *args, **kwargs):
+        offsets.extend(t.data_ptr() % 16 for t in (sa, sb) if t.numel() > 1)
+        return original(a, b, sa, sb, *args, **kwargs)
+
+    def program():
+        g = all_gather(x.view(torch.uint8), group).view(FP8)
+        return torch._scaled_mm(g, w, scale_a, scale_b, out_dtype=torch.float32)
+
+    expected = program()
+    saved = dict(ring.PIECES)
+    ring.PIECES["all_gather"] = (3, 1)  # 16 rows: pieces of 6, 5 and 5
+    try:
+        with mock.patch.object(torch, "_scaled_mm", recording), EagerMicroPipeline() as pipe:
+            got = program()
+    finally:
+        ring.PIECES.update(saved)
+    return {"ok": torch.equal(got, expected), "offsets": offsets, "stats": dict(pipe.stats)}
+
+
+@pytest.mark.parametrize("scales", [ROWWISE_SCALES])
+def test_scaled_matmul_pieces_get_aligned_row_wise_scales(pool, scales):
+    for r in pool.run(_unaligned_scale_rows_worker, 2):
+        assert r["ok"], r
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+        assert len(r["offsets"]) > 2 and set(r["offsets"]) == {0}, r

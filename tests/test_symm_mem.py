@@ -91,11 +91,11 @@ def test_symm_mem_consumers_wait_for_their_chunk_on_the_current_stream(pool, con
     assert_expected_inline("\n".join(results[0]["log"]), """\
 current records e0
 comm waits current
-comm barrier 2
+comm barrier 2 timeout 20000 ms
 comm records e1
 comm records e2
 comm records e3
-comm barrier 2
+comm barrier 2 timeout 20000 ms
 current waits e0
 current waits e1
 current waits e2
@@ -165,15 +165,15 @@ def test_symm_mem_gathers_in_flight_consumed_in_any_order(pool, world):
 current records e0
 comm waits current
 host waits comm
-comm barrier 2
+comm barrier 2 timeout 20000 ms
 comm records e1
-comm barrier 2
+comm barrier 2 timeout 20000 ms
 current records e2
 comm waits current
 host waits comm
-comm barrier 2
+comm barrier 2 timeout 20000 ms
 comm records e3
-comm barrier 2
+comm barrier 2 timeout 20000 ms
 current waits e0
 current waits e1
 current waits e2
@@ -469,3 +469,26 @@ def test_symm_mem_rendezvous_failure_falls_back_to_the_ring_or_says_why(pool):
     assert r0["ok"]
     assert_expected_inline(r0["explain"], """all_gather #0 f32[2, 4] -> f32[4, 4] on group '2' (2 ranks): fused with mm -> $1 [ring; symm_mem unavailable: its workspace rendezvous on group '2' (2 ranks) failed: no peer access between the devices]""")
     assert_expected_inline(r0["error"], """EagerMicroPipeline(backend='symm_mem') cannot serve this collective: its workspace rendezvous on group '2' (2 ranks) failed: no peer access between the devices. Use backend='ring' (any process group) or backend='auto' (symm_mem where it works).""")
+
+
+def _mismatched_barrier_worker(rank, group):
+    """Rank 1 meets its peer at another channel's barrier: on CUDA neither
+    signal wait would ever be answered (a hang; with timeout_ms, a trap), so
+    the emulation fails both ranks at once instead (Note [Barriers time out]
+    in eagertp.backends.symm_mem)."""
+    import torch.distributed._symmetric_memory as torch_symm_mem
+
+    with emulated_symm_mem():
+        workspace = torch_symm_mem.get_symm_mem_workspace(group.group_name, min_size=64)
+        workspace.barrier(channel=2, timeout_ms=1000)  # agreed: passes
+        try:
+            workspace.barrier(channel=2 if rank == 0 else 0, timeout_ms=1000)
+        except RuntimeError as e:
+            return str(e)
+    return None
+
+
+def test_symm_mem_emulation_fails_ranks_at_different_barriers(pool):
+    message, other = pool.run(_mismatched_barrier_worker, 2)
+    assert message == other
+    assert_expected_inline(message, """emulated symmetric memory: ranks meet at different barriers (channel, barrier number on it, workspace bytes): rank 0: [2, 2, 64]; rank 1: [0, 1, 64]. On CUDA their signal waits would never match: a hang, then a trap after 1000 ms""")

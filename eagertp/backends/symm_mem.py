@@ -332,14 +332,44 @@ def _start_gather(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.Process
         return workspace.get_buffer(peer, shard.shape, shard.dtype)
 
     arrivals: list[tuple[int, torch.cuda.Event | None]] = [(rank, own)]
+    timeout_ms = _barrier_timeout_ms(group, shard.device)
     with comm:
         buffer(rank).copy_(chunks[rank])
-        workspace.barrier(channel=_COMM_CHANNEL)  # every shard is in its owner's buffer
+        workspace.barrier(channel=_COMM_CHANNEL, timeout_ms=timeout_ms)  # every shard is in its owner's buffer
         for src in pull_order:
             chunks[src].copy_(buffer(src))
             arrivals.append((src, _recorded_on(comm)))
-        workspace.barrier(channel=_COMM_CHANNEL)  # no peer pulls from this rank's buffer any more
+        # No peer pulls from this rank's buffer any more.
+        workspace.barrier(channel=_COMM_CHANNEL, timeout_ms=timeout_ms)
     return SymmMemGather(chunks, arrivals)
+
+
+# Note [Barriers time out]
+# torch's signal-pad barrier waits for its peers' signals with no end unless
+# given ``timeout_ms``: a peer that died, or issued another collective, hangs
+# the comm stream, then the host at its next synchronize, and nothing says
+# why. With a timeout, torch's device-side wait reports the rank, the peer and
+# the channel that timed out, then traps: the process fails with a CUDA error
+# (after a trap the device is unusable, so no PeerError can be raised as the
+# ring raises one; the report is torch's). The timeout is the group's own,
+# what its process group would allow the same collective before giving up.
+# torch's own primitives (the reduce-scatter's barriers) pass none: their
+# hangs are torch's, as in plain eager with those ops.
+
+# group name -> its timeout in milliseconds (Note [Barriers time out]).
+_timeouts_ms: dict[str, int] = {}
+
+
+def _barrier_timeout_ms(group: dist.ProcessGroup, device: torch.device) -> int:
+    """``group``'s timeout, in milliseconds, for its comm stream's barriers."""
+    name = group.group_name
+    if name not in _timeouts_ms:
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options: c10d's default
+            timeout = dist.default_pg_timeout
+        _timeouts_ms[name] = max(1, int(timeout.total_seconds() * 1000))
+    return _timeouts_ms[name]
 
 
 def _recorded_on(stream: torch.cuda.Stream) -> torch.cuda.Event:
