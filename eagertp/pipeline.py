@@ -92,7 +92,7 @@ class EagerMicroPipeline:
         stats: counters. ``all_gather_matmul``, ``matmul_reduce_scatter``
             and ``matmul_all_reduce`` (fused calls; Note [Matmul + all-reduce]), ``fused_matmuls`` (matmuls inside the fused
             all-gathers), ``fused_scale_gathers`` (all-gathers of row-wise FP8
-            scales that fed a fused call's ``_scaled_mm``s chunk by chunk:
+            scales that fed a fused call's ``_scaled_mm`` calls chunk by chunk:
             Note [Gathered row-wise scales]), ``overlapped_all_gather`` (no matmul consumed it, but
             matmuls ran while it was in flight: a prefetch kept),
             ``unfused_all_gather`` (overlapped nothing),
