@@ -12,8 +12,10 @@ and so is eagertp's symm_mem backend. What they need from CUDA is small:
   order their copies and our callbacks.
 
 Here the buffers are files in /dev/shm that every rank of the test's gloo group
-maps (so ``get_buffer(peer)`` is the peer's memory, as on NVLink), ``barrier`` is
-a gloo barrier, and streams run everything at once, in issue order: a stricter
+maps (so ``get_buffer(peer)`` is the peer's memory, as on NVLink), ``barrier``
+exchanges where each rank is (channel, barrier number on it, workspace size)
+over gloo and fails every rank where they differ, as CUDA's signal waits would
+hang, and streams run everything at once, in issue order: a stricter
 schedule than CUDA's, which overlaps streams (so a gather started on the comm
 stream has landed when its start returns). What CUDA may overlap is checked
 instead (``EmulatedStreams``): from entry to exit of ``emulated_symm_mem``,
@@ -63,7 +65,8 @@ class _Handle:
         self._barriers: dict[int, int] = {}  # channel -> barriers this rank has reached on it
 
     def get_buffer(self, rank: int, sizes, dtype: torch.dtype, storage_offset: int = 0) -> torch.Tensor:
-        flat = self._buffers[rank].view(dtype)
+        raw = self._buffers[rank]
+        flat = raw[: raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
         numel = math.prod(sizes)
         if storage_offset + numel > flat.numel():
             raise RuntimeError(
@@ -112,9 +115,10 @@ class _SharedMemorySymmetricMemory:
         if replaced is not None:  # torch drops it as soon as this returns
             self._streams.check_unused(replaced, f"the workspace of group {group_name!r}")
         path = os.path.join(_SHARED_DIR, f"eagertp-test-symm-mem-{uuid.uuid4().hex}")
-        nbytes = -(-size[0] // 64) * 64  # rounded up: every dtype's view of it stays whole
         with _disable_current_modes():
-            buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            # NB: exactly the size asked for, as torch's tensor is (whatever the
+            # allocation's granularity): what decides when a workspace grows.
+            buffer = torch.from_file(path, shared=True, size=size[0], dtype=torch.uint8)
         self._allocations[buffer.data_ptr()] = (path, group_name)
         return buffer
 
@@ -276,6 +280,29 @@ class EmulatedStreams:
         """``torch.cuda.synchronize()``: the host waits for every stream."""
         for stream in (self.default, self.backend, *self._created):
             stream.synchronize()
+
+    # CUDA graph capture: ``torch.cuda.is_current_stream_capturing`` answers
+    # ``capturing``. On CUDA, work that a captured stream forks onto another
+    # stream (a wait_stream or an event) must be joined back into the capture
+    # stream before the capture ends, or it fails with
+    # cudaErrorStreamCaptureUnjoined; end_capture checks the same.
+    capturing = False
+
+    def begin_capture(self) -> None:
+        self.capturing = True
+        self._capture_origin = self.current()
+        self._ticks_at_capture = {s.name: s.clock.get(s.name, 0) for s in (self.backend, *self._created)}
+
+    def end_capture(self) -> None:
+        self.capturing = False
+        origin = self._capture_origin
+        for stream in (self.backend, *self._created):
+            ticked = stream.clock.get(stream.name, 0) > self._ticks_at_capture.get(stream.name, 0)
+            if ticked and origin.clock.get(stream.name, 0) < stream.clock[stream.name]:
+                raise AssertionError(
+                    f"unjoined fork: work on the {stream.name} stream during capture is not joined back into the "
+                    f"{origin.name} stream before the capture ends (cudaErrorStreamCaptureUnjoined on CUDA)"
+                )
 
     def joined(self, primitive):
         """``primitive``, checked to return with the current stream past the backend stream's work."""
@@ -470,10 +497,13 @@ def emulated_symm_mem():
         (torch.cuda, "Event", streams.event),
         (torch.cuda, "synchronize", streams.synchronize),
         (torch.cuda, "current_device", lambda: 0),
-        (torch.cuda, "is_current_stream_capturing", lambda: False),
+        (torch.cuda, "is_current_stream_capturing", lambda: streams.capturing),
         (torch.cuda, "_sleep", lambda cycles: None),
         (backend, "static_reason", lambda t: None),  # CPU tensors welcome, here only
         (backend, "_comm_streams", {}),  # emulated streams, gone on exit
+        (backend, "WORKSPACE_MIN_BYTES", backend.WORKSPACE_MIN_BYTES),  # a test may change it
+        (backend, "_captured", {}),
+        (backend, "_kept_after_capture", []),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:

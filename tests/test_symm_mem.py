@@ -18,6 +18,7 @@ from helpers import OpCounter, all_gather, fusion_report, integer_tensor, reduce
 from symm_mem_emulation import emulated_symm_mem, with_cpu_symm_mem
 
 from eagertp import EagerMicroPipeline
+from eagertp.backends import symm_mem
 from eagertp.backends.base import OrderedConsumer
 from eagertp.backends.symm_mem import SymmMemBackend
 
@@ -142,6 +143,7 @@ def _two_in_flight_worker(rank, group):
     g1, g2 = torch.cat(firsts), torch.cat(seconds)
     y, acc = torch.empty(2 * world, 4), torch.zeros(8, 5)
     with emulated_symm_mem() as streams:
+        symm_mem.WORKSPACE_MIN_BYTES = 1  # each gather grows it (restored by emulated_symm_mem)
         ag1, ag2 = torch.empty_like(g1), torch.empty_like(g2)
         backend = SymmMemBackend()
         first = backend.start_all_gather(firsts[rank], ag1, group)
@@ -420,8 +422,9 @@ def _workspace_error_worker(rank, group):
     """torch's own error (the workspace cannot grow during CUDA graph capture)
     reaches the user with the collective named and torch's fix intact."""
     x = integer_tensor((2, 4), torch.float32, seed=rank)
+    symm_mem.WORKSPACE_MIN_BYTES = 1  # restored by emulated_symm_mem
     with EagerMicroPipeline(backend="symm_mem"):
-        all_gather(x, group) @ torch.ones(4, 3)  # sizes the workspace (32 bytes, 64 emulated)
+        all_gather(x, group) @ torch.ones(4, 3)  # sizes the workspace (32 bytes)
     torch.cuda.is_current_stream_capturing = lambda: True  # restored by emulated_symm_mem
     try:
         with EagerMicroPipeline(backend="symm_mem"):
@@ -433,7 +436,7 @@ def _workspace_error_worker(rank, group):
 
 def test_symm_mem_surfaces_torch_errors_with_the_collective_named(pool):
     msg = pool.run(with_cpu_symm_mem, 2, _workspace_error_worker)[0]
-    assert_expected_inline(msg, """eagertp symm_mem backend, all_gather of f32[8, 4] on group '2' (2 ranks): get_symm_mem_workspace(): the requested size (128 bytes) is greater than the size of the currently allocated workspace (64 bytes). It's currently not possible to expand the workspace size during graph capture. Please invoke `get_symm_mem_workspace(group_name="2", min_size="128")` before initiating the graph capture and try again.""")
+    assert_expected_inline(msg, """eagertp symm_mem backend, all_gather of f32[8, 4] on group '2' (2 ranks): get_symm_mem_workspace(): the requested size (128 bytes) is greater than the size of the currently allocated workspace (32 bytes). It's currently not possible to expand the workspace size during graph capture. Please invoke `get_symm_mem_workspace(group_name="2", min_size="128")` before initiating the graph capture and try again.""")
 
 
 def _rendezvous_failure_worker(rank, group):
@@ -492,3 +495,72 @@ def test_symm_mem_emulation_fails_ranks_at_different_barriers(pool):
     message, other = pool.run(_mismatched_barrier_worker, 2)
     assert message == other
     assert_expected_inline(message, """emulated symmetric memory: ranks meet at different barriers (channel, barrier number on it, workspace bytes): rank 0: [2, 2, 64]; rank 1: [0, 1, 64]. On CUDA their signal waits would never match: a hang, then a trap after 1000 ms""")
+
+
+def _growing_shapes_worker(rank, group):
+    """Gathers whose shards grow a row at a time (sequence lengths that vary):
+    the workspace grows at least twofold (Note [Workspace growth]), so ten new
+    maxima cost five growths, each a host wait, not ten."""
+    world = group.size()
+    with emulated_symm_mem() as streams:
+        symm_mem.WORKSPACE_MIN_BYTES = 1  # restored by emulated_symm_mem
+        backend = SymmMemBackend()
+        for rows in range(1, 11):  # shards of 32 * rows bytes
+            shards = _shards(world, (rows, 8), seed=rows)
+            ag = torch.empty(rows * world, 8)
+            backend.start_all_gather(shards[rank], ag, group).consume(None)
+            assert torch.equal(ag, torch.cat(shards))
+        held = torch.distributed._symmetric_memory._group_name_to_workspace_tensor[group.group_name]
+        return {"growths": streams.log.count("host waits comm"), "bytes": held.numel()}
+
+
+def test_symm_mem_workspace_grows_geometrically(pool):
+    for r in pool.run(with_cpu_symm_mem, 2, _growing_shapes_worker):
+        assert r == {"growths": 5, "bytes": 512}, r  # 32, 64, 128, 256, 512
+
+
+def _captured_worker(rank, group):
+    """A block inside a CUDA graph capture (emulated: the capture checks that
+    every stream forked from the captured one is joined back, Note [Capture]
+    in eagertp.backends.symm_mem). First a collective under capture on a group
+    never probed: served by the ring, with the reason, and not cached. Then a
+    warm-up outside capture (probes, sizes the workspace), then a captured
+    block whose last collective is a gather, then growth after the capture,
+    which keeps the captured workspace for replays."""
+    x = integer_tensor((2, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 3), torch.float32, seed=5)
+    with emulated_symm_mem() as streams:
+        symm_mem.WORKSPACE_MIN_BYTES = 1  # restored by emulated_symm_mem
+        streams.begin_capture()
+        with EagerMicroPipeline() as pipe:
+            unprobed = all_gather(x, group) @ w
+        streams.end_capture()
+        first = pipe.explain()
+        with EagerMicroPipeline() as pipe:  # the warm-up: probes now
+            expected = all_gather(x, group) @ w
+        warm = pipe.explain()
+        streams.begin_capture()
+        try:
+            with EagerMicroPipeline() as pipe:
+                got = all_gather(x, group) @ w
+            streams.end_capture()
+        except AssertionError as e:
+            return {"error": str(e)}
+        captured = torch.distributed._symmetric_memory._group_name_to_workspace_tensor[group.group_name]
+        with EagerMicroPipeline():  # grows the workspace
+            all_gather(torch.cat([x] * 4), group) @ w
+        return {
+            "equal": [torch.equal(unprobed, expected), torch.equal(got, expected)],
+            "explain": [first, warm, pipe.explain()],
+            "kept": any(t is captured for t in symm_mem._kept_after_capture),
+        }
+
+
+def test_symm_mem_under_cuda_graph_capture(pool):
+    for r in pool.run(with_cpu_symm_mem, 2, _captured_worker):
+        assert "error" not in r, r["error"]
+        assert all(r["equal"]), r
+        first, warm, captured = r["explain"]
+        assert "[ring; symm_mem unavailable: " in first and "ran under CUDA graph capture" in first, first
+        assert warm.endswith("[symm_mem]") and captured.endswith("[symm_mem]"), r["explain"]
+        assert r["kept"], r

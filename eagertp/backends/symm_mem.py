@@ -70,7 +70,7 @@ def unavailable_reason(t: torch.Tensor, group: dist.ProcessGroup) -> str | None:
     symmetric-memory workspace, a collective: every rank reaches it at the same
     collective, since the answer before it depends on the device and the torch
     build only."""
-    return static_reason(t) or _group_reason(group)
+    return static_reason(t) or _group_reason(group, t.device)
 
 
 def static_reason(t: torch.Tensor) -> str | None:
@@ -101,11 +101,18 @@ def _static_reason(device_type: str) -> str | None:
 _group_reasons: dict[str, str | None] = {}
 
 
-def _group_reason(group: dist.ProcessGroup) -> str | None:
+def _group_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
     name = group.group_name
+    if name not in _group_reasons and torch.cuda.is_current_stream_capturing():
+        # Note [Capture]: not cached, the next collective outside capture probes.
+        return (
+            f"the first collective on {group_str(group)} ran under CUDA graph capture, where its workspace "
+            f"cannot be set up; run a step outside capture first (a warm-up, as CUDA graphs need anyway)"
+        )
     if name not in _group_reasons:
         try:
-            _symm_mem_module().get_symm_mem_workspace(name, min_size=1)
+            with _on(device):
+                _symm_mem_module().get_symm_mem_workspace(name, min_size=WORKSPACE_MIN_BYTES)
             _group_reasons[name] = None
         except (RuntimeError, ValueError) as e:  # e.g. no peer access between the devices
             _group_reasons[name] = f"its workspace rendezvous on {group_str(group)} failed: {e}"
@@ -199,16 +206,51 @@ def _wait_for_gathers(stream: torch.cuda.Stream, group: dist.ProcessGroup, devic
 # costs what torch's own synchronize would. Under CUDA graph capture there is
 # no wait: torch raises its own error (the workspace cannot grow during
 # capture; its message says how to size it first).
+# Each growth costs every rank a host wait, an allocation and a rendezvous (a
+# store exchange, a file descriptor per peer), so the workspace starts at
+# WORKSPACE_MIN_BYTES and grows at least twofold: shapes that vary from step
+# to step (sequence lengths) grow it a few times, not at every new maximum.
+# Set WORKSPACE_MIN_BYTES to the largest collective's bytes before the first
+# collective (or before a CUDA graph capture) to never grow it.
+
+# The workspace a group's first collective makes (bytes): Note [Workspace growth].
+WORKSPACE_MIN_BYTES = 1 << 20
+
+# Note [Capture]
+# Under CUDA graph capture every stream the captured stream forks work onto
+# must be joined back before the capture ends. A gather forks onto its group's
+# comm stream, whose closing barrier nothing else waits for (only a later
+# reduce-scatter's start would): so under capture ``consume`` makes the
+# current stream wait for the comm stream once the consumers are enqueued. The
+# engine consumes every gather before the block exits (or at a flush), so a
+# block inside a capture leaves no fork. (Outside capture the closing barrier
+# stays off the compute stream: Note [Gathers in flight on the comm stream].)
+# A group's workspace cannot be set up during capture, so a probe there is not
+# cached: ``auto`` serves that collective with the ring, and the next one
+# outside capture probes. A graph replays on the workspace it captured: one
+# replaced by growth after a capture is kept alive, never freed.
+
+# group name -> the workspace a capture used; replaced ones, kept for replays.
+_captured: dict[str, torch.Tensor] = {}
+_kept_after_capture: list[torch.Tensor] = []
 
 
 def _workspace(group: dist.ProcessGroup, nbytes: int, stream: torch.cuda.Stream):
-    """``get_symm_mem_workspace(group, nbytes)``, grown safely (Note [Workspace growth])."""
+    """``get_symm_mem_workspace(group, nbytes)``, grown safely and at least
+    twofold (Note [Workspace growth])."""
     module = _symm_mem_module()
     held = module._group_name_to_workspace_tensor.get(group.group_name)
-    grows = held is None or held.numel() * held.element_size() < nbytes
-    if grows and not torch.cuda.is_current_stream_capturing():
-        stream.synchronize()
-    return module.get_symm_mem_workspace(group.group_name, min_size=nbytes)
+    held_bytes = 0 if held is None else held.numel() * held.element_size()
+    if held_bytes >= nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            _captured[group.group_name] = held
+        return module.get_symm_mem_workspace(group.group_name, min_size=nbytes)
+    if torch.cuda.is_current_stream_capturing():
+        return module.get_symm_mem_workspace(group.group_name, min_size=nbytes)  # torch's error says what to do
+    if _captured.get(group.group_name) is held:
+        _kept_after_capture.append(held)  # Note [Capture]: a graph may still replay on it
+    stream.synchronize()
+    return module.get_symm_mem_workspace(group.group_name, min_size=max(nbytes, 2 * held_bytes, WORKSPACE_MIN_BYTES))
 
 
 @dataclasses.dataclass(eq=False)
@@ -222,6 +264,9 @@ class SymmMemGather:
     # event on the stream that started the gather), then the peers in pull order.
     arrivals: list[tuple[int, torch.cuda.Event | None]]
 
+    # The comm stream that moved it, joined back under CUDA graph capture (Note [Capture]).
+    comm: torch.cuda.Stream | None = None
+
     def consume(self, consumer: ChunkConsumer | None, *, own_chunk_unread: bool = False) -> None:
         """``consumer`` on every chunk, on the current stream, each behind its event."""
         current = torch.cuda.current_stream(self.chunks.device)
@@ -231,6 +276,8 @@ class SymmMemGather:
                 current.wait_event(event)
             if consumer is not None:
                 consumer(self.chunks[src], src, rows)
+        if self.comm is not None and torch.cuda.is_current_stream_capturing():
+            current.wait_stream(self.comm)  # Note [Capture]: its closing barrier joined back
 
     def wait_chunk(self, src: int) -> None:
         """The current stream waits for ``chunks[src]``'s event."""
@@ -262,7 +309,7 @@ class SymmMemBackend:
         now; the returned handle's ``consume`` binds the consumers (Note
         [Gathers in flight on the comm stream])."""
         check_gather_buffers(shard, ag_out, group)
-        with _torch_errors(f"all_gather of {tensor_str(shard)} on {group_str(group)}"):
+        with _torch_errors(f"all_gather of {tensor_str(shard)} on {group_str(group)}"), _on(shard.device):
             return _start_gather(shard, ag_out, group)
 
     def why_not_produce_all_gather(self, shard: torch.Tensor, group: dist.ProcessGroup) -> str | None:
@@ -284,7 +331,7 @@ class SymmMemBackend:
         world = group.size()
         # stacked[i]: rank i's contribution to this rank's chunk
         stacked = out.new_empty((world, *out.shape))
-        with _torch_errors(f"reduce_scatter({reduce_op}) to {tensor_str(out)} on {group_str(group)}"):
+        with _torch_errors(f"reduce_scatter({reduce_op}) to {tensor_str(out)} on {group_str(group)}"), _on(out.device):
             current = torch.cuda.current_stream(out.device)
             # NB: torch's primitive writes the workspace from the current stream (and
             # its backend stream, which waits for the current one): after every
@@ -341,7 +388,7 @@ def _start_gather(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.Process
             arrivals.append((src, _recorded_on(comm)))
         # No peer pulls from this rank's buffer any more.
         workspace.barrier(channel=_COMM_CHANNEL, timeout_ms=timeout_ms)
-    return SymmMemGather(chunks, arrivals)
+    return SymmMemGather(chunks, arrivals, comm)
 
 
 # Note [Barriers time out]
@@ -370,6 +417,16 @@ def _barrier_timeout_ms(group: dist.ProcessGroup, device: torch.device) -> int:
             timeout = dist.default_pg_timeout
         _timeouts_ms[name] = max(1, int(timeout.total_seconds() * 1000))
     return _timeouts_ms[name]
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` made the current CUDA device. torch allocates a group's
+    workspace, and launches its barriers and signal waits, on
+    ``torch.cuda.current_device()``: a program that never called
+    ``torch.cuda.set_device`` would otherwise have every rank allocate on
+    device 0 (its rendezvous then fails, or its barriers run on another
+    device's stream). The collective's own tensors say which device is meant."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _recorded_on(stream: torch.cuda.Stream) -> torch.cuda.Event:
