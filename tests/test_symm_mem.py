@@ -11,6 +11,8 @@ then consumed in any order). Selected by ``-k symm_mem``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from expecttest import assert_expected_inline
@@ -470,8 +472,8 @@ def test_symm_mem_rendezvous_failure_falls_back_to_the_ring_or_says_why(pool):
     """auto: the ring serves the group, and explain() says why; symm_mem: an error."""
     r0 = pool.run(_with_failing_rendezvous, 2, _rendezvous_failure_worker)[0]
     assert r0["ok"]
-    assert_expected_inline(r0["explain"], """all_gather #0 f32[2, 4] -> f32[4, 4] on group '2' (2 ranks): fused with mm -> $1 [ring; symm_mem unavailable: its workspace rendezvous on group '2' (2 ranks) failed: no peer access between the devices]""")
-    assert_expected_inline(r0["error"], """EagerMicroPipeline(backend='symm_mem') cannot serve this collective: its workspace rendezvous on group '2' (2 ranks) failed: no peer access between the devices. Use backend='ring' (any process group) or backend='auto' (symm_mem where it works).""")
+    assert_expected_inline(r0["explain"], """all_gather #0 f32[2, 4] -> f32[4, 4] on group '2' (2 ranks): fused with mm -> $1 [ring; symm_mem unavailable: its workspace on group '2' (2 ranks): rendezvous failed on rank 0: no peer access between the devices]""")
+    assert_expected_inline(r0["error"], """EagerMicroPipeline(backend='symm_mem') cannot serve this collective: its workspace on group '2' (2 ranks): rendezvous failed on rank 0: no peer access between the devices. Use backend='ring' (any process group) or backend='auto' (symm_mem where it works).""")
 
 
 def _mismatched_barrier_worker(rank, group):
@@ -564,3 +566,42 @@ def test_symm_mem_under_cuda_graph_capture(pool):
         assert "[ring; symm_mem unavailable: " in first and "ran under CUDA graph capture" in first, first
         assert warm.endswith("[symm_mem]") and captured.endswith("[symm_mem]"), r["explain"]
         assert r["kept"], r
+
+
+def _partial_probe_failure_worker(rank, group, how):
+    """Only rank 1 cannot set symmetric memory up: its allocation fails, or it
+    runs on another host. Every rank agrees on the ring, with rank 1's reason;
+    none waits for a rendezvous its peer never joins (Note [Probing a group]
+    in eagertp.backends.symm_mem)."""
+    import socket
+    from unittest import mock
+
+    import torch.distributed._symmetric_memory as torch_symm_mem
+
+    x = integer_tensor((2, 4), torch.float32, seed=rank)
+    w = integer_tensor((4, 3), torch.float32, seed=1)
+    with emulated_symm_mem():
+
+        def out_of_memory(*args, **kwargs):
+            raise RuntimeError("CUDA out of memory")
+
+        patches = {
+            "allocation": mock.patch.object(torch_symm_mem._SymmetricMemory, "empty_strided_p2p", out_of_memory),
+            "host": mock.patch.object(socket, "gethostname", lambda: "another-host"),
+        }
+        with patches[how] if rank == 1 else contextlib.nullcontext(), EagerMicroPipeline() as pipe:
+            y = all_gather(x, group) @ w
+    return {"ok": torch.equal(y, torch.cat([integer_tensor((2, 4), torch.float32, seed=r) for r in range(2)]) @ w),
+            "explain": pipe.explain()}
+
+
+@pytest.mark.parametrize("how", ["allocation", "host"])
+def test_symm_mem_probe_failing_on_one_rank_sends_every_rank_to_the_ring(pool, how):
+    r0, r1 = pool.run(_partial_probe_failure_worker, 2, how, timeout=30)
+    assert r0["ok"] and r1["ok"]
+    assert r0["explain"] == r1["explain"], (r0["explain"], r1["explain"])
+    why = {
+        "allocation": "its workspace on group '2' (2 ranks): allocation failed on rank 1: CUDA out of memory",
+        "host": "the ranks of group '2' (2 ranks) do not share one host and temp dir",
+    }[how]
+    assert f"[ring; symm_mem unavailable: {why}" in r0["explain"], r0["explain"]

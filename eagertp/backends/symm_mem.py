@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -110,13 +112,70 @@ def _group_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
             f"cannot be set up; run a step outside capture first (a warm-up, as CUDA graphs need anyway)"
         )
     if name not in _group_reasons:
-        try:
-            with _on(device):
-                _symm_mem_module().get_symm_mem_workspace(name, min_size=WORKSPACE_MIN_BYTES)
-            _group_reasons[name] = None
-        except (RuntimeError, ValueError) as e:  # e.g. no peer access between the devices
-            _group_reasons[name] = f"its workspace rendezvous on {group_str(group)} failed: {e}"
+        with _on(device):
+            _group_reasons[name] = _probe(group, device)
     return _group_reasons[name]
+
+
+# Note [Probing a group]
+# Whether symmetric memory can serve a group is decided once, at its first
+# collective, and every rank must decide alike: a rank on the ring and a peer
+# on symm_mem would wait for each other forever (Invariant 2). torch's
+# get_symm_mem_workspace allocates, then rendezvouses (a store exchange and a
+# file-descriptor exchange over Unix sockets), and a rank that fails alone
+# leaves its peers blocked inside that exchange. So the probe takes the steps
+# one at a time, and the ranks agree after each (over the group itself, with
+# its own timeout):
+#
+# 1. what each rank can tell alone: its host and its temporary directory
+#    (where torch's sockets live); ranks that differ never rendezvous (a group
+#    spanning hosts, one GPU per container with its own /tmp);
+# 2. the allocation on each rank, then everyone hears whether any failed;
+# 3. the rendezvous, then the same.
+#
+# Every rank then holds the same verdict, naming the first rank that failed
+# and why. A failure inside torch's exchange on some ranks only (step 3) can
+# still block the others there: that part is torch's.
+
+
+def _probe(group: dist.ProcessGroup, device: torch.device) -> str | None:
+    """Why symmetric memory cannot serve ``group`` (None: it can), agreed by
+    every rank (Note [Probing a group]); on success the group's workspace is
+    set up, as ``get_symm_mem_workspace`` sets it up."""
+    module = _symm_mem_module()
+    facts = (socket.gethostname(), tempfile.gettempdir())
+    every = _gather(facts, group)
+    if any(other != facts for other in every):
+        per_rank = "; ".join(f"rank {r}: host {h!r}, temp dir {t!r}" for r, (h, t) in enumerate(every))
+        return f"the ranks of {group_str(group)} do not share one host and temp dir ({per_rank})"
+    workspace = None
+    try:
+        workspace = module._SymmetricMemory.empty_strided_p2p(
+            (WORKSPACE_MIN_BYTES,), [1], torch.uint8, device, group.group_name
+        )
+        failed = None
+    except (RuntimeError, ValueError) as e:
+        failed = f"allocation failed on rank {group.rank()}: {e}"
+    failed = _first_failure(failed, group)
+    if failed is None:
+        try:
+            module._SymmetricMemory.rendezvous(workspace, group.group_name)
+            module._group_name_to_workspace_tensor[group.group_name] = workspace
+        except (RuntimeError, ValueError) as e:  # e.g. no peer access between the devices
+            failed = f"rendezvous failed on rank {group.rank()}: {e}"
+        failed = _first_failure(failed, group)
+    return None if failed is None else f"its workspace on {group_str(group)}: {failed}"
+
+
+def _gather(value: object, group: dist.ProcessGroup) -> list:
+    every: list = [None] * group.size()
+    dist.all_gather_object(every, value, group=group)
+    return every
+
+
+def _first_failure(failed: str | None, group: dist.ProcessGroup) -> str | None:
+    """The first rank's failure, as every rank hears it, or None if none failed."""
+    return next((f for f in _gather(failed, group) if f is not None), None)
 
 
 # Note [Gathers in flight on the comm stream]
