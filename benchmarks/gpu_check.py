@@ -8,8 +8,9 @@ checks the results against plain eager (bf16 tolerance) and that the fused
 path ran, and times both (CUDA events, medians). World size 1 skips the
 workspace and its barriers, so then, correctness only, two processes share
 device 0 over a gloo group (NCCL refuses two ranks on one GPU): gathers in
-flight, reduce-scatter and all-reduce on the symm_mem path; a part that does
-not run fails the check. That part adds a weight-gradient contraction over the gathered rows, whose
+flight, reduce-scatter, all-reduce and row-wise FP8 with 18 rows a rank on
+the symm_mem path, then a peer that dies mid-program (rank 0 must fail within
+the group's timeout, not hang); a part that does not run fails the check. That part adds a weight-gradient contraction over the gathered rows, whose
 chunks add into one output behind the comm stream's per-chunk events (Note
 [Gathers in flight on the comm stream]): the one multi-rank check of that
 ordering on a real GPU. Prints a
@@ -40,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", default=None)
     parser.add_argument("--shared-timeout", type=float, default=120.0, help="seconds for the two-process part")
     parser.add_argument("--shared-dry-run", action="store_true", help="the two-process part only, on CPU (ring)")
+    parser.add_argument(
+        "--dead-peer-timeout", type=float, default=10.0, help="the group timeout (s) of the dead-peer part"
+    )
     return parser.parse_args(argv)
 
 
@@ -158,10 +162,23 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
             later = second @ b.to(x.device)
             return torch.cat([first @ b.to(x.device), later])
 
+        def scaled_odd_rows(x):
+            # Row-wise FP8 with 18 rows a rank: each chunk's scale rows start
+            # 72 bytes in, off the 16-byte boundary cuBLAS requires (eagertp
+            # copies them). The data gathered as bytes, as float8 training does.
+            fp8 = torch.float8_e4m3fn
+            x8 = x[:18].float().to(fp8)
+            gathered = funcol_all_gather(x8.view(torch.uint8), 0, group).view(fp8)
+            w8 = b.to(x.device).float().t().contiguous().to(fp8).t()  # column-major
+            scale_a = torch.full((36, 1), 0.5, device=x.device)
+            scale_b = torch.full((1, w8.shape[1]), 2.0, device=x.device)
+            return torch._scaled_mm(gathered, w8, scale_a, scale_b, out_dtype=torch.bfloat16)
+
         cases = {
             "all_gather_matmul": (
                 lambda x: funcol_all_gather(x, 0, group) @ b.to(x.device), "all_gather_matmul", 2e-2
             ),
+            "scaled_rowwise_odd_rows": (scaled_odd_rows, "all_gather_matmul", 5e-1),
             "two_gathers_in_flight": (two_in_flight, "all_gather_matmul", 4e-2),
             # A weight gradient: every chunk adds into one output (ordered across
             # streams). Its sums of m products reach ~sqrt(m): a bf16 ulp is ~0.25 there.
@@ -233,6 +250,86 @@ def check_shared_device(args: argparse.Namespace) -> list[dict]:
     return sorted(rows, key=lambda r: (r.get("rank", -1), r["op"]))
 
 
+def _dead_peer_worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
+    """Rank 1 dies after one fused gather; rank 0 then issues another, which
+    must fail within the group's timeout (symm_mem: torch's barrier times out
+    and traps, Note [Barriers time out]; the ring: a PeerError), never hang.
+    Rank 0 answers on ``results`` if it can (a trap may end it first)."""
+    import datetime
+    import time
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from eagertp import EagerMicroPipeline
+    from eagertp._compat import exit_spawned_rank, funcol_all_gather
+
+    warnings.simplefilter("ignore", FutureWarning)
+    device, backend = ("cpu", "ring") if args.shared_dry_run else ("cuda", "symm_mem")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    timeout = datetime.timedelta(seconds=args.dead_peer_timeout)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout)
+    group = dist.group.WORLD
+    a = torch.ones(64, 128, device=device)
+    b = torch.ones(128, 32, device=device)
+    with EagerMicroPipeline(backend=backend, min_fuse_bytes=0):
+        (funcol_all_gather(a, 0, group) @ b).sum().item()  # both alive: sets the group up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        exit_spawned_rank(0)  # dies before the next collective
+    start = time.monotonic()
+    try:
+        with EagerMicroPipeline(backend=backend, min_fuse_bytes=0):
+            (funcol_all_gather(a, 0, group) @ b).sum().item()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        outcome = "no error: the gather completed without its peer"
+    except Exception as e:  # noqa: BLE001 - reported: the failure is what this checks
+        outcome = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    results.put({"seconds": time.monotonic() - start, "outcome": outcome})
+    results.close()
+    results.join_thread()
+    exit_spawned_rank(0)
+
+
+def check_dead_peer(args: argparse.Namespace) -> dict:
+    """One row: did rank 0 fail within the group's timeout when its peer died?"""
+    import multiprocessing
+    import queue
+    import socket
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [ctx.Process(target=_dead_peer_worker, args=(rank, port, args, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    bound = args.dead_peer_timeout + 60
+    row = {"device": "shared", "world_size": 2, "op": "dead_peer", "rank": 0, "fused_ran": True}
+    try:
+        answer = results.get(timeout=bound)
+        failed = not answer["outcome"].startswith("no error")
+        row.update(correct=failed, explain=f"after {answer['seconds']:.1f} s: {answer['outcome']}")
+    except queue.Empty:
+        procs[0].join(timeout=1)
+        if procs[0].is_alive():
+            row.update(correct=False, explain=f"rank 0 still waiting {bound} s after its peer died: a hang")
+        else:  # a device trap ends the process: it failed, as it should, without a word
+            row.update(correct=True, explain=f"rank 0 ended (exit code {procs[0].exitcode}) without answering")
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return row
+
+
 def _print_shared(rows: list[dict]) -> None:
     print("two processes sharing one device (gloo group), correctness only:")
     for r in rows:
@@ -240,7 +337,7 @@ def _print_shared(rows: list[dict]) -> None:
             print(f"  rank {r.get('rank', '-')} {r['op']}: not run: {r['explain']}")
         else:
             print(f"  rank {r['rank']} {r['op']}: correct {r['correct']}, fused {r['fused_ran']}")
-            if not r["fused_ran"]:
+            if not r["fused_ran"] or r["op"] == "dead_peer":
                 print(f"    {r['explain']}")
 
 
@@ -249,7 +346,7 @@ def main(argv=None) -> int:
     import torch
 
     if args.shared_dry_run:
-        shared = check_shared_device(args)
+        shared = check_shared_device(args) + [check_dead_peer(args)]
         _print_shared(shared)
         return verdict([], shared)
     if not torch.cuda.is_available():
@@ -266,7 +363,7 @@ def main(argv=None) -> int:
     for r in rows:
         if not r["fused_ran"]:
             print(f"  {r['op']} did not fuse:\n    {r['explain']}")
-    shared = check_shared_device(args)
+    shared = check_shared_device(args) + [check_dead_peer(args)]
     _print_shared(shared)
     if args.json:
         with open(args.json, "w") as f:

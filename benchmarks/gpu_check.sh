@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check eagertp on a CUDA machine: the CUDA tests (tests/test_cuda.py), then
 # benchmarks/gpu_check.py (the symm_mem backend on every visible device against
-# plain eager, with timings). A few minutes on one recent GPU.
+# plain eager, with timings). At most 8 minutes (4 + 4, each bounded) on one GPU.
 #
 #   bash benchmarks/gpu_check.sh [OUTDIR]      # OUTDIR defaults to ./gpu-check-logs
 #
@@ -25,13 +25,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 if "$python" -c "import pytest, expecttest, hypothesis" 2>/dev/null; then
   # The CUDA cases only: their CPU twins run in the CPU suite, and gpu_check.py runs below.
-  (cd tests && timeout 300 "$python" -m pytest -q -rs -p no:cacheprovider test_cuda.py \
+  (cd tests && timeout 240 "$python" -m pytest -q -rs -p no:cacheprovider test_cuda.py \
     -k "not on_cpu and not gpu_check" 2>&1 | tee "$out/test_cuda.log") || status=1
 else
   echo "gpu_check: the CUDA tests need the test extra (pip install -e '.[test]'); skipping them" \
     | tee "$out/test_cuda.log"
   status=1
 fi
-timeout 300 "$python" benchmarks/gpu_check.py --json "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log" || status=1
+timeout 240 "$python" benchmarks/gpu_check.py --json "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log" || status=1
 echo "gpu_check: logs in $out; exit $status"
 exit $status

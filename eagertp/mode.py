@@ -17,6 +17,7 @@ import eagertp.collectives.all_gather  # noqa: F401
 import eagertp.collectives.all_reduce  # noqa: F401
 import eagertp.collectives.c10d  # noqa: F401
 import eagertp.collectives.reduce_scatter  # noqa: F401
+import eagertp.collectives.torch_symm_mem  # noqa: F401
 import eagertp.matmuls  # noqa: F401
 from eagertp._compat import funcol_is_view_op
 from eagertp.deferred import tensor_leaves

@@ -14,16 +14,18 @@ def test_gpu_check_shared_device_part_runs_on_cpu():
     script = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_check.py"
     done = subprocess.run(
         [sys.executable, str(script), "--shared-dry-run", "--m", "256", "--k", "128", "--n", "64",
-         "--shared-timeout", "60"],
+         "--shared-timeout", "60", "--dead-peer-timeout", "5"],
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in (0, 1):
         for op in (
-            "all_gather_matmul", "two_gathers_in_flight", "all_gather_contraction", "matmul_reduce_scatter",
-            "matmul_all_reduce",
+            "all_gather_matmul", "scaled_rowwise_odd_rows", "two_gathers_in_flight", "all_gather_contraction",
+            "matmul_reduce_scatter", "matmul_all_reduce",
         ):
             assert f"rank {rank} {op}: correct True, fused True" in done.stdout, done.stdout
+    # The dead peer: rank 0's ring gather fails within the group's timeout (here 5 s).
+    assert "rank 0 dead_peer: correct True, fused True" in done.stdout, done.stdout
 
 
 def test_gpu_check_fails_when_a_part_did_not_run():

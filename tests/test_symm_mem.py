@@ -605,3 +605,54 @@ def test_symm_mem_probe_failing_on_one_rank_sends_every_rank_to_the_ring(pool, h
         "host": "the ranks of group '2' (2 ranks) do not share one host and temp dir",
     }[how]
     assert f"[ring; symm_mem unavailable: {why}" in r0["explain"], r0["explain"]
+
+
+def _define_test_symm_mem_op() -> None:
+    """``symm_mem::eagertp_test_fill_(Tensor(a!) buf)``: stands in for torch's
+    own symmetric-memory ops (CUDA-only), writing this rank's workspace
+    buffer from the current stream; once per worker process."""
+    from eagertp.collectives.torch_symm_mem import register_torch_symm_mem_ops
+
+    if not hasattr(torch.ops.symm_mem, "eagertp_test_fill_"):
+        lib = torch.library.Library("symm_mem", "FRAGMENT")
+        lib.define("eagertp_test_fill_(Tensor(a!) buf) -> ()")
+        lib.impl("eagertp_test_fill_", _fill_sevens, "CPU")
+        _LIBRARIES.append(lib)  # NB: the definition lives as long as the library object
+        register_torch_symm_mem_ops()
+
+
+_LIBRARIES: list = []
+
+
+def _fill_sevens(buf: torch.Tensor) -> None:
+    buf.fill_(7)
+
+
+def _torch_op_after_gather_worker(rank, group):
+    """torch's own symm_mem op writes this rank's workspace right after a
+    gather was consumed, while its closing barrier (and so the peers' pulls
+    from this buffer) may still run on the comm stream: it must wait for the
+    comm stream first (Note [torch's symmetric-memory ops])."""
+    import torch.distributed._symmetric_memory as torch_symm_mem
+
+    _define_test_symm_mem_op()
+    world = group.size()
+    x = integer_tensor((2, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 3), torch.float32, seed=5)
+    with emulated_symm_mem():
+        try:
+            with EagerMicroPipeline(backend="symm_mem") as pipe:
+                y = all_gather(x, group) @ w
+                total = y.sum()  # consumed: every chunk pulled here, peers maybe not yet
+                workspace = torch_symm_mem.get_symm_mem_workspace(group.group_name, min_size=64)
+                torch.ops.symm_mem.eagertp_test_fill_(workspace.get_buffer(group.rank(), (2, 8), torch.float32))
+        except AssertionError as e:
+            return str(e)
+    expected = torch.cat([integer_tensor((2, 8), torch.float32, seed=r) for r in range(world)]) @ w
+    return {"ok": torch.equal(total, expected.sum()), "stats": dict(pipe.stats)}
+
+
+def test_torch_symm_mem_ops_wait_for_gathers_in_flight(pool):
+    for r in pool.run(_torch_op_after_gather_worker, 2):
+        assert isinstance(r, dict), r
+        assert r["ok"] and r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r

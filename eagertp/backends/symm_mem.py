@@ -249,6 +249,16 @@ def _wait_for_gathers(stream: torch.cuda.Stream, group: dist.ProcessGroup, devic
         stream.wait_stream(comm)
 
 
+def wait_for_every_gather() -> None:
+    """The current stream of each device waits for every gather eagertp has
+    started there, closing barriers included: before torch's own
+    symmetric-memory ops, which write a group's workspace after only their own
+    barrier (Note [torch's symmetric-memory ops] in
+    eagertp.collectives.torch_symm_mem)."""
+    for (_, device), comm in _comm_streams.items():
+        torch.cuda.current_stream(device).wait_stream(comm)
+
+
 # Note [Workspace growth]
 # get_symm_mem_workspace replaces a group's workspace that is too small for the
 # request, and the old one is freed then. Gathers in flight may still pull from
