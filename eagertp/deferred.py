@@ -81,8 +81,10 @@ three points:
 
 - a collective that reads product $p: the non-absorbed products recorded
   before $p (their collective would have come first);
-- the next matmul deferred after a collective on a managed group: the
-  non-absorbed products recorded before that collective;
+- the next matmul deferred after a collective on a managed group that eagertp
+  runs itself: the non-absorbed products recorded before that collective (one
+  issued as written, such as float8 training's scalar amax all-reduces between
+  a layer's backward matmuls, took no product and marks none past);
 - at a deferral, a read that completes pending work, or a collective: weight
   gradients (``is_weight_gradient``) that read a storage nothing but pending
   work can reach (``orphaned_storages``), and absorbed products nothing can

@@ -843,20 +843,24 @@ class Engine:
         dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
         if isinstance(dst, list):  # raw c10d's all-reduce: ([tensor], work)
             (dst,) = dst
-        record = self.new_record(kind, src, dst, group)
+        # NB: marks no product past its collective: one issued as written
+        # took none (Note [Products past their collective]).
+        record = self.new_record(kind, src, dst, group, marks_past=False)
         self.stats[f"unfused_{kind.split('(')[0]}"] += 1
         self.trace.mark_unfused(record, reason)
         self.trace.event("{} = {}({}, {}) [as written]", record.dst, kind, record.src, record.group)
         return result
 
     def new_record(
-        self, kind: str, src: torch.Tensor, dst: torch.Tensor, group: dist.ProcessGroup
+        self, kind: str, src: torch.Tensor, dst: torch.Tensor, group: dist.ProcessGroup, *, marks_past: bool = True
     ) -> CollectiveRecord:
         """The explain() record of a collective, with its tensors and group
         shapes (Note [Formatted when read]). Every collective on a managed
         group records one, so this is also where the products recorded so far
-        are marked past their collective (Note [Products past their collective])."""
-        self.before_collective = self.store.last_tid
+        are marked past their collective (Note [Products past their collective]),
+        unless the collective is issued as written (``marks_past=False``)."""
+        if marks_past:
+            self.before_collective = self.store.last_tid
         return self.trace.new_collective(kind, src=Meta.of(src), dst=Meta.of(dst), group=group_str(group))
 
 

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Imported for their handlers (they register into the table).
@@ -24,9 +25,20 @@ from eagertp.deferred import tensor_leaves
 from eagertp.engine import Engine, written_tensors
 from eagertp.table import HANDLERS
 
-# Subclasses that desugar into plain ops we understand: return NotImplemented so
-# their __torch_dispatch__ runs first and issues funcol ops on plain tensors.
-_DESUGAR_FIRST = (DTensor, AsyncCollectiveTensor)
+# Note [Subclasses desugar first]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A tensor subclass with its own __torch_dispatch__ (DTensor, funcol's
+# AsyncCollectiveTensor, torchao's Float8TrainingTensor, ...) runs first: the
+# mode returns NotImplemented, the subclass's __torch_dispatch__ issues its
+# ops on the plain tensors inside (a gather of the FP8 data, a _scaled_mm),
+# and those reach the mode, which fuses them like any other. Had the mode run
+# the subclass's op itself (with the mode off inside it, as a mode does), its
+# collectives would have run unseen and unrecorded (Invariant 4). The
+# exceptions are torch's own tracing subclasses, which hold no data and
+# re-issue every op on themselves (the FakeTensor of DTensor's sharding
+# propagation, functionalization's FunctionalTensor): they never hold our
+# placeholders and pass through untouched.
+_PASS_THROUGH = (FakeTensor, FunctionalTensor)
 
 
 # Note [Dispatch without Dynamo's wrapper]
@@ -68,12 +80,10 @@ class EagerTPMode(TorchDispatchMode):
                 unwrapped = _unwrap_pending_async(engine, func, args, kwargs)
                 if unwrapped is not None:  # Note [Pending async tensors]
                     return self.__torch_dispatch__(func, (), *unwrapped)
-            if any(issubclass(t, _DESUGAR_FIRST) for t in types):
-                return NotImplemented
-            if any(_has_dispatch_override(t) for t in types):
-                # Other subclasses (the FakeTensor of DTensor's sharding propagation)
-                # never hold our placeholders: pass them through untouched.
+            if any(issubclass(t, _PASS_THROUGH) for t in types):
                 return func(*args, **kwargs)
+            if any(_has_dispatch_override(t) for t in types):
+                return NotImplemented  # Note [Subclasses desugar first]
         if engine.issuing:
             return func._op(*args, **kwargs)
         handler = HANDLERS.get(func._op)

@@ -1,0 +1,170 @@
+"""torchao's float8 training as a client: ``convert_to_float8_training`` with
+tensor parallelism applied as torchtitan applies it (its float8 TP plan:
+``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` /
+``PrepareFloat8ModuleInput``), on a feed-forward block (RMSNorm, w1 and w3
+column parallel, ``silu(w1 x) * w3 x``, w2 row parallel), bf16, forward and
+backward.
+
+torchao's ``Float8TrainingTensor`` issues its FP8 all-gather and its
+``_scaled_mm`` from inside its own ``__torch_dispatch__``: they reach the mode
+as plain ops (Note [Subclasses desugar first] in eagertp.mode) and fuse. Its
+amax all-reduces, issued as written between a layer's backward matmuls, leave
+those matmuls pending for the reduce-scatter of their sum (Note [Products past
+their collective] in eagertp.deferred).
+
+gloo has no float8 type: plain eager's FP8 all-gather fails there ("Invalid
+scalar type"; NCCL moves the bytes). The reference run therefore gathers the
+same bytes as uint8 and views them back (``_BytesGather``), which changes no
+value. eagertp's ring moves FP8 with point-to-point messages, which gloo takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from eagertp import EagerMicroPipeline
+
+DIM, HIDDEN, SEQ, BATCH = 64, 128, 32, 2
+
+
+class _FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(DIM)
+        self.feed_forward = _FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.feed_forward(self.norm(x))
+
+
+class _BytesGather(TorchDispatchMode):
+    """Plain eager's FP8 all-gather on gloo: the same bytes as uint8. It also
+    lists the collectives that reach it, after subclasses desugared: entered
+    below the block, what eagertp let through; alone, plain eager's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        kwargs = kwargs or {}
+        if any(issubclass(t, FakeTensor) for t in types):
+            return func(*args, **kwargs)
+        if any(t is not torch.Tensor and not issubclass(t, nn.Parameter) for t in types):
+            return NotImplemented  # the subclass desugars first, its plain ops come back here
+        name = func.__name__.split(".")[0]
+        if func.namespace in ("_c10d_functional", "c10d") and not name.startswith(("wait", "_wrap", "send", "recv")):
+            self.collectives.append(name)  # not eagertp's ring's point-to-point messages
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+        if func is torch.ops._c10d_functional.all_gather_into_tensor.default and args[0].dtype in fp8:
+            return func(args[0].view(torch.uint8), *args[1:]).view(args[0].dtype)
+        return func(*args, **kwargs)
+
+
+def _torchao_worker(rank, group, sequence_parallel: bool):
+    import warnings
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    warnings.simplefilter("ignore")  # torchao's import-time notices
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput,
+    )
+
+    world = group.size()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = _Block().to(torch.bfloat16)
+    convert_to_float8_training(model, config=Float8LinearConfig())  # tensor-wise scaling
+    if sequence_parallel:  # torchtitan's float8 TP + SP plan
+        plan = {
+            "norm": SequenceParallel(),
+            "feed_forward": PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": Float8ColwiseParallel(),
+            "feed_forward.w2": Float8RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "feed_forward.w3": Float8ColwiseParallel(),
+        }
+    else:  # plain TP: replicated activations, local tensors between the layers
+        plan = {
+            "feed_forward.w1": Float8ColwiseParallel(),
+            "feed_forward.w2": Float8RowwiseParallel(),
+            "feed_forward.w3": Float8ColwiseParallel(),
+        }
+    parallelize_module(model, mesh, plan)
+    rows = SEQ // world if sequence_parallel else SEQ
+    g = torch.Generator().manual_seed(1 + (rank if sequence_parallel else 0))
+    x = torch.randn(BATCH, rows, DIM, generator=g).to(torch.bfloat16)
+
+    def step(pipe):
+        model.zero_grad()
+        inp = x.clone().requires_grad_()
+        if sequence_parallel:
+            inp = DTensor.from_local(inp, mesh, [Shard(1)])
+        with _BytesGather() as below, pipe or contextlib.nullcontext():
+            y = model(inp)
+            local = y.to_local() if isinstance(y, DTensor) else y
+            local.float().sum().backward()
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        got = [local.detach().clone()] + [g.clone() for g in grads]
+        return got, below.collectives
+
+    expected, plain_collectives = step(None)
+    pipe = EagerMicroPipeline(group=group, min_fuse_bytes=0)
+    got, let_through = step(pipe)
+    return {
+        "equal": [torch.equal(a, b) for a, b in zip(got, expected)],
+        "stats": dict(pipe.stats),
+        "explain": pipe.explain(),
+        "plain_collectives": plain_collectives,
+        "let_through": let_through,
+        "records": len(pipe._engine.trace.collectives),
+    }
+
+
+# Forward: with SP, the FP8 gather of the normed input (fused with w1's and
+# w3's _scaled_mm) and w2's reduce-scatter; backward: the FP8 gather of the
+# output gradient (w2's input gradient) and the reduce-scatter of w1's + w3's
+# input gradients. Without SP: w2's output all-reduced forward; backward, w1's
+# and w3's input gradients, each all-reduced as its layer's replicated input
+# takes it. The amax all-reduces (scalars) are issued as written.
+_STATS = {
+    True: {"all_gather_matmul": 2, "fused_matmuls": 2, "matmul_reduce_scatter": 2},
+    False: {"matmul_all_reduce": 3},
+}
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["SP", "no SP"])
+def test_torchao_float8_tensorwise_with_tp_fuses_every_matmul_collective(pool, sequence_parallel):
+    for r in pool.run(_torchao_worker, 2, sequence_parallel):
+        assert all(r["equal"]), r
+        stats = {k: v for k, v in r["stats"].items() if k != "unfused_all_reduce"}
+        assert stats == _STATS[sequence_parallel], r
+        # No invisible collective: explain() has a line for each plain eager issued.
+        assert r["records"] == len(r["plain_collectives"]) > 0, (r["plain_collectives"], r["explain"])
+        # The fused ones never reached the collective below the block: only the amax all-reduces did.
+        assert r["let_through"] == ["all_reduce"] * r["stats"]["unfused_all_reduce"], r
+        not_fused = [line for line in r["explain"].splitlines() if "not fused" in line]
+        assert len(not_fused) == r["stats"]["unfused_all_reduce"] > 0, r["explain"]
+        assert all(line.startswith("all_reduce(max)") and "does not split" in line for line in not_fused), r["explain"]
