@@ -54,9 +54,12 @@ chunks: the transfer still hides behind them::
     eagertp:  [== AG ==]   (deferred)  (bound)  [ a @ b ][ y: chunk 0 ][ chunk 1 ]
                                                 ^ read(y): z first, then the gather
 
-Products recorded before the gather started and still pending are computed
-there too: nothing has read them since, and the program's end would compute
-them with no transfer left to hide. In TP without sequence parallel that is a
+Weight gradients recorded before the gather started and still pending are
+computed there too: nothing has read them since, no collective takes them, and
+the program's end would compute them with no transfer left to hide. (Other
+products recorded before it stay pending: a collective may still take them,
+as when float8 training's small amax all-reduces, whose gather halves the next
+op reads, come between a layer's input gradients and their reduce-scatter.) In TP without sequence parallel that is a
 backward step's weight gradients, and the all-gather half of the input
 gradient's all-reduce, read at once by the next op, hides behind them::
 
@@ -81,10 +84,10 @@ three points:
 
 - a collective that reads product $p: the non-absorbed products recorded
   before $p (their collective would have come first);
-- the next matmul deferred after a collective on a managed group that eagertp
-  runs itself: the non-absorbed products recorded before that collective (one
-  issued as written, such as float8 training's scalar amax all-reduces between
-  a layer's backward matmuls, took no product and marks none past);
+- the next matmul deferred after a collective on a managed group that read a
+  pending product: the non-absorbed products recorded before that collective
+  (one that reads none, such as float8 training's amax all-reduces between a
+  layer's backward matmuls, marks none past);
 - at a deferral, a read that completes pending work, or a collective: weight
   gradients (``is_weight_gradient``) that read a storage nothing but pending
   work can reach (``orphaned_storages``), and absorbed products nothing can
@@ -369,6 +372,43 @@ class Scaled:
         return [t for t in (self.scale_a, self.scale_b, self.scale_result) if t is not None]
 
 
+# Note [Epilogues]
+# ~~~~~~~~~~~~~~~~
+# float8 training with row-wise scales multiplies a matmul's output in place
+# by the product of its scales (torchao's ``output *= a_inv_scale *
+# b_inv_scale``), and may add a bias in place: had that op read the pending
+# product, the product would be computed whole and its reduce-scatter or
+# all-reduce issued unfused. An in-place ``mul_`` or ``add_`` of a standalone
+# pending matmul's whole output by a tensor that broadcasts to it (a scalar,
+# per-row [M, 1], per-column [1, N], or [M, N]) or by a number stays part of
+# the product instead: each chunk the product makes (every row of it, or some
+# columns) is multiplied or added by the same elements of the operand, right
+# after its matmul, as plain eager does to the whole output. Elementwise on
+# the same values: bitwise plain eager's. The operand is an input of the
+# pending product (a write to it completes the product first: Note [Every
+# write is seen] in eagertp.engine).
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Epilogue:
+    """``out.<op>_(operand)`` on a pending matmul's output (Note [Epilogues])."""
+
+    op: Callable[[torch.Tensor, torch.Tensor | float], torch.Tensor]  # torch.Tensor.mul_ or add_
+    operand: torch.Tensor | float
+
+    def apply(self, out: torch.Tensor, shape: torch.Size, select: RowSelect | None, cols: slice | None = None) -> None:
+        """Apply to ``out``, the rows ``select`` picks (and the columns
+        ``cols``) of the product's whole output of ``shape``."""
+        operand = self.operand
+        if isinstance(operand, torch.Tensor) and operand.dim() and (select is not None or cols is not None):
+            operand = operand.expand(shape)
+            if select is not None:
+                operand = select(operand)
+            if cols is not None:
+                operand = operand[..., cols]
+        self.op(out, operand)
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class PendingMatmul(_Standalone):
     """``out = addmm(bias, a, b, beta=beta, alpha=alpha)``, or ``mm(a, b)`` when
@@ -399,6 +439,8 @@ class PendingMatmul(_Standalone):
     # The gather in flight whose placeholder is the row-wise ``scale_a``
     # (Note [Gathered row-wise scales]).
     scale_gather: PendingGather | None = None
+    # In-place elementwise ops on the whole output, in order (Note [Epilogues]).
+    epilogues: list[Epilogue] = dataclasses.field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -454,6 +496,8 @@ class PendingMatmul(_Standalone):
         else:
             bias = self.bias if select is None else select(self.bias.expand(self.out.shape))
             torch.addmm(bias, a, b, beta=self.beta, alpha=self.alpha, out=out)
+        for epilogue in self.epilogues:
+            epilogue.apply(out, self.out.shape, select)
 
     def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
         """``out = select(self)``: the selected rows of this standalone matmul."""
@@ -479,6 +523,8 @@ class PendingMatmul(_Standalone):
         else:
             bias = select(self.bias.expand(self.out.shape))[:, cols]
             torch.addmm(bias, a, b, beta=self.beta, alpha=self.alpha, out=out)
+        for epilogue in self.epilogues:
+            epilogue.apply(out, self.out.shape, select, cols)
 
     def compute_all(self, out: torch.Tensor) -> None:
         assert self.a is not None and self.b is not None, "a gather consumer is issued by its gather"
@@ -488,6 +534,7 @@ class PendingMatmul(_Standalone):
         tensors = [t for t in (self.a, self.b, self.bias) if t is not None]
         if self.scaled is not None:
             tensors += self.scaled.tensors()
+        tensors += [e.operand for e in self.epilogues if isinstance(e.operand, torch.Tensor)]
         return tensors
 
 
@@ -862,6 +909,12 @@ class PendingStore:
             owner[storage_key(sv.tensor)] = product
         for t in product.inputs():
             inputs[storage_key(t)] += 1
+
+    def add_epilogue(self, product: PendingMatmul, epilogue: Epilogue) -> None:
+        """An in-place op on ``product``'s output, kept with it (Note [Epilogues])."""
+        product.epilogues.append(epilogue)
+        if isinstance(epilogue.operand, torch.Tensor):
+            self._inputs[storage_key(epilogue.operand)] += 1
 
     def add_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
         gather.consumers.append(mm)

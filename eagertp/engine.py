@@ -402,7 +402,10 @@ class Engine:
         ordered: list[Pending] = []
         for item in items:
             if isinstance(item, PendingGather) and item in self.store.items:
-                ordered += [p for p in self.store.standalone(absorbed=False) if p not in keep]
+                ordered += [
+                    p for p in self.store.standalone(absorbed=False)
+                    if p not in keep and (p.tid > item.tid or is_weight_gradient(p))
+                ]
             ordered.append(item)
         return ordered
 

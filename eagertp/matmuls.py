@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from eagertp.deferred import Scaled
+from eagertp._format import tensor_str
+from eagertp.deferred import Epilogue, PendingMatmul, Scaled
 from eagertp.engine import Engine, same_views
 from eagertp.table import register
 
@@ -167,3 +168,58 @@ def _cat(engine: Engine, func, args, kwargs):
         if deferred is not None:
             return deferred
     return engine.run_plain(func, args, kwargs)
+
+
+# In-place elementwise ops that stay with the pending matmul whose output they
+# change (Note [Epilogues] in eagertp.deferred), and what each applies.
+_EPILOGUES = {
+    aten.mul_.Tensor: torch.Tensor.mul_,
+    aten.mul_.Scalar: torch.Tensor.mul_,
+    aten.add_.Tensor: torch.Tensor.add_,
+    aten.add_.Scalar: torch.Tensor.add_,
+}
+
+
+@register(list(_EPILOGUES))
+def _in_place_epilogue(engine: Engine, func, args, kwargs):
+    """``out *= scale`` / ``out += bias`` on a pending matmul's whole output:
+    kept with the matmul, so that its collective still produces from it."""
+    if not engine.store.items:
+        return func._op(*args, **kwargs)
+    target, operand = args[0], args[1]
+    product = _epilogue_target(engine, target, operand, kwargs)
+    if product is None:
+        return engine.run_plain(func, args, kwargs)
+    engine.store.add_epilogue(product, Epilogue(_EPILOGUES[func], operand))
+    engine.trace.event("${} {}= {}", product.tid, "*" if _EPILOGUES[func] is torch.Tensor.mul_ else "+", _operand_str(operand))
+    return target
+
+
+def _epilogue_target(engine: Engine, target: torch.Tensor, operand, kwargs: dict) -> PendingMatmul | None:
+    """The standalone pending matmul whose whole output ``target`` is, if an
+    in-place op of ``operand`` on it can stay with it (Note [Epilogues])."""
+    if kwargs.get("alpha", 1) != 1:
+        return None
+    found = engine.store.standalone_output(target)
+    if found is None or found[1] is not None:
+        return None
+    product = found[0]
+    if not isinstance(product, PendingMatmul) or product.absorbed or target.shape != product.out.shape:
+        return None
+    if isinstance(operand, torch.Tensor):
+        if engine.store.touched([operand]) is not None or operand.device != target.device:
+            return None
+        try:
+            if torch.broadcast_shapes(operand.shape, target.shape) != target.shape:
+                return None
+        except RuntimeError:
+            return None
+    elif not isinstance(operand, (int, float)):
+        return None
+    if not torch.can_cast(torch.result_type(target, operand), target.dtype):
+        return None  # plain eager raises its own error
+    return product
+
+
+def _operand_str(operand) -> str:
+    return tensor_str(operand) if isinstance(operand, torch.Tensor) else repr(operand)

@@ -314,3 +314,45 @@ def test_autocast_casts_of_gathered_activations_fuse(pool, world):
         # and the input gradient's reduce-scatter of its float32 cast
         assert r["stats"] == {"all_gather_matmul": 2, "fused_matmuls": 3, "matmul_reduce_scatter": 2}, r
         assert r["plain_all_gathers"] == 0 and r["plain_reduce_scatters"] == 0 and r["p2p_ops"] > 0, r
+
+
+def _epilogue_worker(rank, group, collective, operand_kind):
+    """float8 training's row-wise path: a matmul, its output multiplied in
+    place by the product of its row and column scales (and a bias added in
+    place), then cast, then reduce-scattered or all-reduced. The in-place ops
+    stay with the product (Note [Epilogues] in eagertp.deferred), so the
+    collective still produces from it chunk by chunk."""
+    from helpers import all_reduce as funcol_all_reduce
+
+    world = group.size()
+    a = integer_tensor((4 * world, 8), torch.float32, seed=rank)
+    b = integer_tensor((8, 6), torch.float32, seed=10)
+    rows = 2.0 ** torch.randint(-1, 2, (4 * world, 1), generator=torch.Generator().manual_seed(20)).float()
+    cols = 2.0 ** torch.randint(-1, 2, (1, 6), generator=torch.Generator().manual_seed(21)).float()
+    operand = {"rows x cols": rows * cols, "rows": rows, "cols": cols, "number": 0.5}[operand_kind]
+    bias = integer_tensor((6,), torch.float32, seed=22)
+
+    def program():
+        out = a.to(torch.bfloat16) @ b.to(torch.bfloat16)
+        out *= operand
+        out += bias
+        out = out.to(torch.float32)
+        if collective == "reduce_scatter":
+            return reduce_scatter(out, group)
+        return funcol_all_reduce(out, group)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"equal": torch.equal(got, expected), "trace": pipe.debug_string(), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("operand_kind", ["rows x cols", "rows", "cols", "number"])
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
+def test_in_place_epilogues_stay_with_their_product(pool, collective, operand_kind):
+    for r in pool.run(_epilogue_worker, 2, collective, operand_kind):
+        assert r["equal"], r
+        fused = "matmul_reduce_scatter" if collective == "reduce_scatter" else "matmul_all_reduce"
+        assert r["stats"] == {fused: 1}, r
+        assert r["plain_reduce_scatters"] == 0, r
+        assert "*= " in r["trace"] and "+= f32[6]" in r["trace"], r["trace"]

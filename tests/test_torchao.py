@@ -80,7 +80,7 @@ class _BytesGather(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _torchao_worker(rank, group, sequence_parallel: bool):
+def _torchao_worker(rank, group, recipe: str, sequence_parallel: bool):
     import warnings
 
     from torch.distributed.device_mesh import DeviceMesh
@@ -88,6 +88,7 @@ def _torchao_worker(rank, group, sequence_parallel: bool):
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     warnings.simplefilter("ignore")  # torchao's import-time notices
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput,
@@ -97,21 +98,25 @@ def _torchao_worker(rank, group, sequence_parallel: bool):
     mesh = DeviceMesh.from_group(group, "cpu")
     torch.manual_seed(0)
     model = _Block().to(torch.bfloat16)
-    convert_to_float8_training(model, config=Float8LinearConfig())  # tensor-wise scaling
-    if sequence_parallel:  # torchtitan's float8 TP + SP plan
+    # torchtitan's choice: tensor-wise scaling with torchao's float8 TP styles
+    # (the FP8 gather), row-wise with torch's plain ones (a bf16 gather).
+    if recipe == "tensorwise":
+        config = Float8LinearConfig()
+        colwise, rowwise, prepare = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    else:
+        config = Float8LinearConfig.from_recipe_name("rowwise")
+        colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    convert_to_float8_training(model, config=config)
+    if sequence_parallel:  # torchtitan's TP + SP plan
         plan = {
             "norm": SequenceParallel(),
-            "feed_forward": PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": Float8ColwiseParallel(),
-            "feed_forward.w2": Float8RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "feed_forward.w3": Float8ColwiseParallel(),
+            "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
+            "feed_forward.w3": colwise(),
         }
     else:  # plain TP: replicated activations, local tensors between the layers
-        plan = {
-            "feed_forward.w1": Float8ColwiseParallel(),
-            "feed_forward.w2": Float8RowwiseParallel(),
-            "feed_forward.w3": Float8ColwiseParallel(),
-        }
+        plan = {"feed_forward.w1": colwise(), "feed_forward.w2": rowwise(), "feed_forward.w3": colwise()}
     parallelize_module(model, mesh, plan)
     rows = SEQ // world if sequence_parallel else SEQ
     g = torch.Generator().manual_seed(1 + (rank if sequence_parallel else 0))
@@ -143,28 +148,42 @@ def _torchao_worker(rank, group, sequence_parallel: bool):
     }
 
 
-# Forward: with SP, the FP8 gather of the normed input (fused with w1's and
-# w3's _scaled_mm) and w2's reduce-scatter; backward: the FP8 gather of the
-# output gradient (w2's input gradient) and the reduce-scatter of w1's + w3's
-# input gradients. Without SP: w2's output all-reduced forward; backward, w1's
-# and w3's input gradients, each all-reduced as its layer's replicated input
-# takes it. The amax all-reduces (scalars) are issued as written.
-_STATS = {
-    True: {"all_gather_matmul": 2, "fused_matmuls": 2, "matmul_reduce_scatter": 2},
-    False: {"matmul_all_reduce": 3},
+# Forward: with SP, the gather of the normed input (fused with w1's and w3's
+# _scaled_mm) and w2's reduce-scatter; backward: the gather of the output
+# gradient (w2's input gradient) and the reduce-scatter of w1's + w3's input
+# gradients (row-wise: each multiplied in place by its scales first, Note
+# [Epilogues] in eagertp.deferred). Without SP: w2's output all-reduced
+# forward; backward, w1's and w3's input gradients, each all-reduced as its
+# layer's replicated input takes it. The amax all-reduces are not matmul
+# collectives. Row-wise scaling quantizes the gathered bf16 activation (abs,
+# amax over its rows, ...) before its matmul: those gathers do not fuse yet.
+_NOT_A_PRODUCT = "its input is not the pending output of a matmul"
+_EXPECTED = {
+    ("tensorwise", True): ({"all_gather_matmul": 2, "fused_matmuls": 2, "matmul_reduce_scatter": 2}, []),
+    ("tensorwise", False): ({"matmul_all_reduce": 3}, []),
+    ("rowwise", True): (
+        {"matmul_reduce_scatter": 2, "unfused_all_gather": 2},
+        [(2, "all_gather #", "no matmul consumed it before aten.abs.default")],
+    ),
+    ("rowwise", False): ({"matmul_all_reduce": 3}, []),
 }
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["SP", "no SP"])
-def test_torchao_float8_tensorwise_with_tp_fuses_every_matmul_collective(pool, sequence_parallel):
-    for r in pool.run(_torchao_worker, 2, sequence_parallel):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchao_float8_with_tp_fuses_its_matmul_collectives(pool, recipe, sequence_parallel):
+    stats, other_unfused = _EXPECTED[(recipe, sequence_parallel)]
+    for r in pool.run(_torchao_worker, 2, recipe, sequence_parallel):
         assert all(r["equal"]), r
-        stats = {k: v for k, v in r["stats"].items() if k != "unfused_all_reduce"}
-        assert stats == _STATS[sequence_parallel], r
+        assert {k: v for k, v in r["stats"].items() if k != "unfused_all_reduce"} == stats, r
         # No invisible collective: explain() has a line for each plain eager issued.
         assert r["records"] == len(r["plain_collectives"]) > 0, (r["plain_collectives"], r["explain"])
-        # The fused ones never reached the collective below the block: only the amax all-reduces did.
-        assert r["let_through"] == ["all_reduce"] * r["stats"]["unfused_all_reduce"], r
         not_fused = [line for line in r["explain"].splitlines() if "not fused" in line]
-        assert len(not_fused) == r["stats"]["unfused_all_reduce"] > 0, r["explain"]
-        assert all(line.startswith("all_reduce(max)") and "does not split" in line for line in not_fused), r["explain"]
+        amax = [line for line in not_fused if line.startswith("all_reduce(max)")]
+        assert len(amax) == r["stats"]["unfused_all_reduce"] > 0, r["explain"]
+        assert all("not split over" in line or _NOT_A_PRODUCT in line for line in amax), r["explain"]
+        for n, head, why in other_unfused:
+            assert sum(line.startswith(head) and why in line for line in not_fused) == n, r["explain"]
+        assert len(not_fused) == len(amax) + sum(n for n, _, _ in other_unfused), r["explain"]
+        # Below the block, no gather or reduce-scatter: only amax all-reduces issued as written.
+        assert set(r["let_through"]) <= {"all_reduce"}, r["let_through"]

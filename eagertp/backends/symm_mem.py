@@ -225,6 +225,17 @@ def _first_failure(failed: str | None, group: dist.ProcessGroup) -> str | None:
 #   the comm stream's closing barrier runs.
 # - Growth: Note [Workspace growth].
 _COMM_CHANNEL = 2
+# torch releases after 2.13 order every built-in signal-pad op of a (group,
+# device) across streams (c10d's GroupStreamGuard: a barrier on one stream
+# waits for the event that ended the group's previous pad op on another, and
+# its pad is shared by every allocation of the group). For the comm stream
+# that is the order kept here already: each gather's start waits for the
+# current stream, and the current stream waits for the comm stream before a
+# reduce-scatter or a torch symm_mem op (Note [torch's symmetric-memory ops] in
+# eagertp.collectives.torch_symm_mem). It adds one wait: the current stream's
+# next pad op waits for the closing barrier of the gather before it, which no
+# consumer waits for here. Nothing waits in a cycle, so it cannot deadlock;
+# channels stay apart (torch's ops use 0 and 1).
 
 # (group name, device) -> the stream its gathers' copies and barriers run on.
 # NB: one per group, as its workspace: gathers of different groups never wait

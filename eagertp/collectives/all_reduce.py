@@ -105,7 +105,9 @@ def all_reduce(
     rows = result.view(-1, result.shape[-1])  # [M, N]: a product's rows, whatever view it is reduced in
     m = rows.shape[0] // world
     shard = rows[group.rank() * m : (group.rank() + 1) * m]  # this rank's reduced rows
-    record = engine.new_record(kind, inp, result, group)
+    # NB: one that reads no pending product marks none past its collective
+    # (Note [Products past their collective]: float8's amax all-reduces).
+    record = engine.new_record(kind, inp, result, group, marks_past=engine.store.touched([inp]) is not None)
     found = engine.store.standalone_output(inp) if engine.store.items else None
     why_not = _why_not_fuse_all_reduce(found, shard)
     if why_not is None:

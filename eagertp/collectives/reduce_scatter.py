@@ -58,7 +58,8 @@ def reduce_scatter(
         return engine.issue_as_is(func, args, kwargs, kind, inp, group, too_small, signature)
     if out is None:
         out = engine.placeholder(inp, (inp.shape[0] // world, *inp.shape[1:]))
-    record = engine.new_record(kind, inp, out, group)
+    # NB: one that reads no pending product marks none past its collective.
+    record = engine.new_record(kind, inp, out, group, marks_past=engine.store.touched([inp]) is not None)
     found = engine.store.standalone_output(inp) if engine.store.items else None
     why_not = why_not_produce(found, out) if found is not None else (
         "its input is not the pending output of a matmul"
