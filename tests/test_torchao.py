@@ -187,3 +187,79 @@ def test_torchao_float8_with_tp_fuses_its_matmul_collectives(pool, recipe, seque
         assert len(not_fused) == len(amax) + sum(n for n, _, _ in other_unfused), r["explain"]
         # Below the block, no gather or reduce-scatter: only amax all-reduces issued as written.
         assert set(r["let_through"]) <= {"all_reduce"}, r["let_through"]
+
+
+def _float8_stack_worker(rank, group, steps=2):
+    """torchtitan's float8 stack on a 2 x 2 (dp, tp) mesh: float8 training
+    with FSDP2's float8 all-gather of the weights on dp
+    (``enable_fsdp_float8_all_gather``), the float8 TP + SP plan on tp, SGD;
+    ``EagerMicroPipeline(group=tp)`` around each step's forward and backward."""
+    import warnings
+
+    import torch.distributed as dist
+    from helpers import device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    warnings.simplefilter("ignore")  # torchao's import-time notices, DTensor's redistribution advice
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput,
+    )
+
+    assert group.size() == dist.get_world_size() == 4
+    mesh = device_mesh((2, 2), ("dp", "tp"))
+    tp, dp_rank, tp_rank = mesh["tp"], mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+
+    def train(use_eagertp: bool):
+        torch.manual_seed(0)
+        model = _Block().to(torch.bfloat16)
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        parallelize_module(model, tp, {
+            "norm": SequenceParallel(),
+            "feed_forward": PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": Float8ColwiseParallel(),
+            "feed_forward.w2": Float8RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "feed_forward.w3": Float8ColwiseParallel(),
+        })
+        fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(10 * step + dp_rank)  # a batch per dp rank
+            x = torch.randn(BATCH, SEQ, DIM, generator=g).to(torch.bfloat16).chunk(2, 1)[tp_rank].contiguous()
+            pipe = EagerMicroPipeline(group=tp.get_group()) if use_eagertp else contextlib.nullcontext()
+            with _BytesGather(), pipe:
+                y = model(DTensor.from_local(x.requires_grad_(), tp, [Shard(1)]))
+                loss = y.to_local().float().pow(2).mean()
+                loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        params = [p.full_tensor().detach().clone() for p in model.parameters()]
+        return losses, params, pipe
+
+    plain, fused = train(False), train(True)
+    return {
+        "losses": (plain[0], fused[0]),
+        "params_equal": [torch.equal(f, p) for f, p in zip(fused[1], plain[1])],
+        "stats": dict(fused[2].stats),
+        "explain": fused[2].explain(summary=True),
+    }
+
+
+def test_torchtitan_float8_stack_fsdp2_float8_all_gather_and_tp(pool):
+    """Per step on tp: the 2 FP8 gathers and 2 reduce-scatters fused; the amax
+    all-reduces and the sequence-parallel norm's weight gradient issued as
+    written. FSDP's float8 all-gather, reduce-scatter and its amax all-reduces
+    on dp pass through untouched; losses and trained weights bitwise plain eager's."""
+    for r in pool.run(_float8_stack_worker, 4):
+        assert [torch.equal(a, b) for a, b in zip(*r["losses"])] == [True, True], r["losses"]
+        assert all(r["params_equal"]), r
+        assert r["stats"] == {
+            "all_gather_matmul": 2, "fused_matmuls": 2, "matmul_reduce_scatter": 2, "unfused_all_reduce": 6,
+        }, r
+        passed = [line for line in r["explain"].splitlines() if "passed through, not a managed group" in line]
+        assert any("c10d._allgather_base_" in line for line in passed), r["explain"]
+        assert any("c10d._reduce_scatter_base_" in line for line in passed), r["explain"]
