@@ -378,15 +378,17 @@ class Scaled:
 # by the product of its scales (torchao's ``output *= a_inv_scale *
 # b_inv_scale``), and may add a bias in place: had that op read the pending
 # product, the product would be computed whole and its reduce-scatter or
-# all-reduce issued unfused. An in-place ``mul_`` or ``add_`` of a standalone
-# pending matmul's whole output by a tensor that broadcasts to it (a scalar,
-# per-row [M, 1], per-column [1, N], or [M, N]) or by a number stays part of
-# the product instead: each chunk the product makes (every row of it, or some
-# columns) is multiplied or added by the same elements of the operand, right
-# after its matmul, as plain eager does to the whole output. Elementwise on
-# the same values: bitwise plain eager's. The operand is an input of the
-# pending product (a write to it completes the product first: Note [Every
-# write is seen] in eagertp.engine).
+# all-reduce issued unfused. A ``mul`` or ``add`` of a standalone pending
+# product's whole output by a tensor that broadcasts to it (a scalar, per-row
+# [M, 1], per-column [1, N], or [M, N]) or by a number stays part of the
+# product instead: each chunk the product makes (every row of it, or some
+# columns) is multiplied or added by the same elements of the operand, as
+# plain eager does to the whole output. In place on a matmul, right after its
+# matmul (``Epilogue``); out of place, on any product, into a new placeholder
+# of the op's result type (``PendingPointwise``, the source kept pending for
+# other readers, as a cast keeps it). Elementwise on the same values: bitwise
+# plain eager's. The operand is an input of the pending product (a write to it
+# completes the product first: Note [Every write is seen] in eagertp.engine).
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -399,14 +401,7 @@ class Epilogue:
     def apply(self, out: torch.Tensor, shape: torch.Size, select: RowSelect | None, cols: slice | None = None) -> None:
         """Apply to ``out``, the rows ``select`` picks (and the columns
         ``cols``) of the product's whole output of ``shape``."""
-        operand = self.operand
-        if isinstance(operand, torch.Tensor) and operand.dim() and (select is not None or cols is not None):
-            operand = operand.expand(shape)
-            if select is not None:
-                operand = select(operand)
-            if cols is not None:
-                operand = operand[..., cols]
-        self.op(out, operand)
+        self.op(out, _operand_for(self.operand, shape, select, cols))
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -618,6 +613,51 @@ class PendingCast(_Standalone):
 
     def inputs(self) -> list[torch.Tensor]:
         return self.source.inputs()
+
+
+@dataclasses.dataclass(eq=False)
+class PendingPointwise(PendingCast):
+    """``out = op(source.out, operand)`` of a standalone pending product, not
+    yet computed: a scale multiply or a bias add out of place (Note
+    [Epilogues]), in ``out``'s dtype (the op's result type). The source stays
+    pending (absorbed) for any other reader."""
+
+    op: Callable[..., torch.Tensor] = torch.mul  # torch.mul or torch.add, with out=
+    operand: torch.Tensor | float = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.name} {'*' if self.op is torch.mul else '+'} {operand_str(self.operand)}"
+
+    def compute_rows(self, select: RowSelect, out: torch.Tensor) -> None:
+        part = torch.empty_like(out, dtype=self.source.out.dtype)
+        self.source.compute_rows(select, part)
+        self.op(part, _operand_for(self.operand, self.out.shape, select), out=out)
+
+    def compute_cols(self, cols: slice, out: torch.Tensor, select: RowSelect = all_rows) -> None:
+        part = torch.empty_like(out, dtype=self.source.out.dtype)
+        self.source.compute_cols(cols, part, select)
+        self.op(part, _operand_for(self.operand, self.out.shape, select, cols), out=out)
+
+    def inputs(self) -> list[torch.Tensor]:
+        return self.source.inputs() + ([self.operand] if isinstance(self.operand, torch.Tensor) else [])
+
+
+def _operand_for(
+    operand: torch.Tensor | float, shape: torch.Size, select: RowSelect | None, cols: slice | None = None
+) -> torch.Tensor | float:
+    """The elements of ``operand`` (broadcast to a product's whole output of
+    ``shape``) that the rows ``select`` picks, and the columns ``cols``."""
+    if not isinstance(operand, torch.Tensor) or not operand.dim() or (select is None and cols is None):
+        return operand
+    operand = operand.expand(shape)
+    if select is not None:
+        operand = select(operand)
+    return operand if cols is None else operand[..., cols]
+
+
+def operand_str(operand: torch.Tensor | float) -> str:
+    return tensor_str(operand) if isinstance(operand, torch.Tensor) else repr(operand)
 
 
 Product = PendingMatmul | PendingSum | PendingCast

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,12 +38,14 @@ from eagertp.deferred import (
     PendingCast,
     PendingGather,
     PendingMatmul,
+    PendingPointwise,
     PendingStore,
     PendingSum,
     Product,
     Scaled,
     ScatterView,
     is_weight_gradient,
+    operand_str,
     orphaned_storages,
     storage_key,
     storage_uses,
@@ -759,6 +761,20 @@ class Engine:
         self.store.add_product(cast)
         self.trace.event("${}: {} = ${}.to({})", cast.tid, Meta.of(cast.out), source.tid, dtype_str(dtype))
         return cast.out.view(t.shape)
+
+    def defer_pointwise(
+        self, source: Product, op: Callable[..., torch.Tensor], operand: torch.Tensor | float, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Defer ``op(source.out, operand)`` of a whole pending product (Note
+        [Epilogues] in eagertp.deferred): a collective of the result can still
+        produce chunk by chunk."""
+        out = self.placeholder(source.out, source.out.shape, dtype)
+        pointwise = PendingPointwise(source, out, self.store.next_tid(), op=op, operand=operand)
+        source.absorbed = True
+        self.store.add_product(pointwise)
+        self.trace.event("${}: {} = ${} {} {}", pointwise.tid, Meta.of(out), source.tid,
+                         "*" if op is torch.mul else "+", operand_str(operand))
+        return out
 
     def defer_chunk_cat(self, tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
         """Defer ``cat(x.chunk(W, i), dim)`` of a pending ``x``, the reshuffle funcol

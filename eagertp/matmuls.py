@@ -8,8 +8,7 @@ import math
 
 import torch
 
-from eagertp._format import tensor_str
-from eagertp.deferred import Epilogue, PendingMatmul, Scaled
+from eagertp.deferred import Epilogue, PendingMatmul, Product, Scaled, operand_str
 from eagertp.engine import Engine, same_views
 from eagertp.table import register
 
@@ -120,12 +119,25 @@ def _as_mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return None
 
 
-@register([aten.add.Tensor])
-def _add(engine: Engine, func, args, kwargs):
-    if engine.store.items and len(args) == 2 and kwargs.get("alpha", 1) == 1 and all(isinstance(t, torch.Tensor) for t in args):
-        deferred = engine.defer_sum(*args)
-        if deferred is not None:
-            return deferred
+@register([aten.add.Tensor, aten.mul.Tensor])
+def _add_or_mul(engine: Engine, func, args, kwargs):
+    """A sum of two pending products (autograd accumulating an input gradient),
+    or a product's output multiplied or added by a tensor or a number (Note
+    [Epilogues] in eagertp.deferred): deferred, so that a collective of the
+    result still produces from the products."""
+    if not engine.store.items:
+        return func._op(*args, **kwargs)
+    if len(args) == 2 and kwargs.get("alpha", 1) == 1:
+        x, y = args
+        if func is aten.add.Tensor and isinstance(y, torch.Tensor):
+            deferred = engine.defer_sum(x, y)
+            if deferred is not None:
+                return deferred
+        for target, operand in ((x, y), (y, x)):
+            product = _epilogue_target(engine, target, operand, kwargs, in_place=False)
+            if product is not None:
+                op = torch.add if func is aten.add.Tensor else torch.mul
+                return engine.defer_pointwise(product, op, operand, torch.result_type(target, operand))
     return engine.run_plain(func, args, kwargs)
 
 
@@ -187,24 +199,25 @@ def _in_place_epilogue(engine: Engine, func, args, kwargs):
     if not engine.store.items:
         return func._op(*args, **kwargs)
     target, operand = args[0], args[1]
-    product = _epilogue_target(engine, target, operand, kwargs)
+    product = _epilogue_target(engine, target, operand, kwargs, in_place=True)
     if product is None:
         return engine.run_plain(func, args, kwargs)
     engine.store.add_epilogue(product, Epilogue(_EPILOGUES[func], operand))
-    engine.trace.event("${} {}= {}", product.tid, "*" if _EPILOGUES[func] is torch.Tensor.mul_ else "+", _operand_str(operand))
+    engine.trace.event("${} {}= {}", product.tid, "*" if _EPILOGUES[func] is torch.Tensor.mul_ else "+", operand_str(operand))
     return target
 
 
-def _epilogue_target(engine: Engine, target: torch.Tensor, operand, kwargs: dict) -> PendingMatmul | None:
-    """The standalone pending matmul whose whole output ``target`` is, if an
-    in-place op of ``operand`` on it can stay with it (Note [Epilogues])."""
-    if kwargs.get("alpha", 1) != 1:
+def _epilogue_target(engine: Engine, target, operand, kwargs: dict, *, in_place: bool) -> Product | None:
+    """The standalone pending product whose whole output ``target`` is, if an
+    op of ``operand`` on it can stay with it (Note [Epilogues]): in place, a
+    matmul's; out of place, any product's."""
+    if kwargs.get("alpha", 1) != 1 or not isinstance(target, torch.Tensor):
         return None
     found = engine.store.standalone_output(target)
     if found is None or found[1] is not None:
         return None
     product = found[0]
-    if not isinstance(product, PendingMatmul) or product.absorbed or target.shape != product.out.shape:
+    if product.absorbed or target.shape != product.out.shape or (in_place and not isinstance(product, PendingMatmul)):
         return None
     if isinstance(operand, torch.Tensor):
         if engine.store.touched([operand]) is not None or operand.device != target.device:
@@ -216,10 +229,8 @@ def _epilogue_target(engine: Engine, target: torch.Tensor, operand, kwargs: dict
             return None
     elif not isinstance(operand, (int, float)):
         return None
-    if not torch.can_cast(torch.result_type(target, operand), target.dtype):
+    if in_place and not torch.can_cast(torch.result_type(target, operand), target.dtype):
         return None  # plain eager raises its own error
     return product
 
 
-def _operand_str(operand) -> str:
-    return tensor_str(operand) if isinstance(operand, torch.Tensor) else repr(operand)

@@ -111,7 +111,9 @@ def _unfused_worker(rank, group, read_first):
             total = y.sum()  # noqa: F841 - a read that issues the matmul alone
             got = reduce_scatter(y, group)
         else:
-            got = reduce_scatter(y * 1, group)  # input made by an elementwise op
+            # Made by another op (a multiply by a number would stay with the
+            # product: Note [Epilogues] in eagertp.deferred).
+            got = reduce_scatter(y.clone(), group)
     return {"ok": torch.equal(got, expected), "explain": pipe.explain(), **fusion_report(pipe, counter)}
 
 
@@ -316,12 +318,12 @@ def test_autocast_casts_of_gathered_activations_fuse(pool, world):
         assert r["plain_all_gathers"] == 0 and r["plain_reduce_scatters"] == 0 and r["p2p_ops"] > 0, r
 
 
-def _epilogue_worker(rank, group, collective, operand_kind):
-    """float8 training's row-wise path: a matmul, its output multiplied in
-    place by the product of its row and column scales (and a bias added in
-    place), then cast, then reduce-scattered or all-reduced. The in-place ops
-    stay with the product (Note [Epilogues] in eagertp.deferred), so the
-    collective still produces from it chunk by chunk."""
+def _epilogue_worker(rank, group, collective, operand_kind, in_place):
+    """float8 training's row-wise path: a matmul, its output multiplied by
+    the product of its row and column scales and a bias added (in place, as
+    torchao does, or out of place), then cast, then reduce-scattered or
+    all-reduced. The ops stay with the product (Note [Epilogues] in
+    eagertp.deferred), so the collective still produces from it chunk by chunk."""
     from helpers import all_reduce as funcol_all_reduce
 
     world = group.size()
@@ -334,8 +336,11 @@ def _epilogue_worker(rank, group, collective, operand_kind):
 
     def program():
         out = a.to(torch.bfloat16) @ b.to(torch.bfloat16)
-        out *= operand
-        out += bias
+        if in_place:
+            out *= operand
+            out += bias
+        else:  # the result's dtype follows the operands' (bf16 * f32 tensor: f32)
+            out = bias + operand * out
         out = out.to(torch.float32)
         if collective == "reduce_scatter":
             return reduce_scatter(out, group)
@@ -347,12 +352,16 @@ def _epilogue_worker(rank, group, collective, operand_kind):
     return {"equal": torch.equal(got, expected), "trace": pipe.debug_string(), **fusion_report(pipe, counter)}
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in place", "out of place"])
 @pytest.mark.parametrize("operand_kind", ["rows x cols", "rows", "cols", "number"])
 @pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
-def test_in_place_epilogues_stay_with_their_product(pool, collective, operand_kind):
-    for r in pool.run(_epilogue_worker, 2, collective, operand_kind):
+def test_epilogues_stay_with_their_product(pool, collective, operand_kind, in_place):
+    for r in pool.run(_epilogue_worker, 2, collective, operand_kind, in_place):
         assert r["equal"], r
         fused = "matmul_reduce_scatter" if collective == "reduce_scatter" else "matmul_all_reduce"
         assert r["stats"] == {fused: 1}, r
         assert r["plain_reduce_scatters"] == 0, r
-        assert "*= " in r["trace"] and "+= f32[6]" in r["trace"], r["trace"]
+        if in_place:
+            assert "*= " in r["trace"] and "+= f32[6]" in r["trace"], r["trace"]
+        else:
+            assert " * " in r["trace"] and " + f32[6]" in r["trace"], r["trace"]
