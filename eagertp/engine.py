@@ -229,7 +229,8 @@ class Engine:
         [Every write is seen]): the pending work that reads them, and, with
         ``owners``, the pending items whose placeholders they are. ``takes``:
         the collective's input, which it fuses with the product that makes it,
-        so that product stays pending."""
+        so that product stays pending (not computed as work in flight while
+        they complete), unless it reads or fills what is written."""
         store = self.store
         if not store.items:
             return
@@ -237,9 +238,9 @@ class Engine:
             self.release_shards(func, written)
         readers = store.readers(written)
         filled = store.owners(written) if owners else []
-        keep = [] if takes is None else store.owners([takes])
-        readers = [item for item in readers if item not in keep]
-        filled = [item for item in filled if item not in keep]
+        # NB: the collective's own product stays pending only if it neither
+        # reads nor fills what is written: else it completes first, unfused.
+        keep = [p for p in store.owners([takes]) if p not in readers and p not in filled] if takes is not None else []
         if readers or filled:
             found = {id(item) for item in (*readers, *filled)}
             items = [item for item in store.items if id(item) in found]

@@ -288,3 +288,41 @@ def test_programs_that_reuse_buffers_match_plain_eager(pool, backend, steps, wor
             f"rank {rank} of {world} differs from plain eager for {steps} on {backend} "
             f"(min_fuse_bytes={min_fuse_bytes}, small_pieces={small_pieces}): {r['equal']}\n{r['explain']}"
         )
+
+
+def _scatter_into_its_input_worker(rank, group):
+    """A reduce-scatter into the buffer its own input product reads (found by
+    the property test): the product must be computed before the output is
+    written, so it completes first and the reduce-scatter runs unfused."""
+    world = group.size()
+    storage = torch.zeros(2 * world * R * H)
+    x = integer_tensor((R, H), F32, seed=rank)
+    w = integer_tensor((H, H), F32, seed=3)
+
+    def program():
+        storage.zero_()
+        region = storage[: world * R * H].view(world * R, H)
+        dist.all_gather_into_tensor(region, x, group=group)
+        dist.all_gather_into_tensor(storage[world * R * H :].view(world * R, H), x * 2, group=group)
+        out = region[:R]  # the first rows of what the product reads
+        dist.reduce_scatter_tensor(out, region @ w, group=group)
+        return storage.clone()
+
+    from helpers import with_small_pieces
+
+    expected = program()
+    pipe = EagerMicroPipeline()
+
+    def fused(*_):
+        with pipe:
+            return program()
+
+    got = with_small_pieces(rank, group, fused)  # the ring writes each piece as it reduces it
+    return {"equal": torch.equal(got, expected), "stats": dict(pipe.stats)}
+
+
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_a_reduce_scatter_into_the_memory_its_product_reads(pool, backend):
+    for r in run_on(backend, pool, _scatter_into_its_input_worker, 2):
+        assert r["equal"], r
+        assert r["stats"].get("matmul_reduce_scatter", 0) == 0, r
