@@ -215,11 +215,10 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def check_shared_device(args: argparse.Namespace) -> list[dict]:
-    """Two processes on one device; a row per op and rank (correctness only),
-    or one row saying why it could not run."""
+def _start_pair(worker, args: argparse.Namespace):
+    """Two spawned ranks sharing one device, ``worker(rank, port, args,
+    results)`` each; the processes and the queue they answer on."""
     import multiprocessing
-    import queue
     import socket
 
     # Two ranks on one device: torch's workspace rendezvous refuses "allocations
@@ -232,9 +231,18 @@ def check_shared_device(args: argparse.Namespace) -> list[dict]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_shared_worker, args=(rank, port, args, results)) for rank in range(2)]
+    procs = [ctx.Process(target=worker, args=(rank, port, args, results)) for rank in range(2)]
     for proc in procs:
         proc.start()
+    return procs, results
+
+
+def check_shared_device(args: argparse.Namespace) -> list[dict]:
+    """Two processes on one device; a row per op and rank (correctness only),
+    or one row saying why it could not run."""
+    import queue
+
+    procs, results = _start_pair(_shared_worker, args)
     rows: list[dict] = []
     try:
         for _ in procs:
@@ -298,18 +306,9 @@ def _dead_peer_worker(rank: int, port: int, args: argparse.Namespace, results) -
 
 def check_dead_peer(args: argparse.Namespace) -> dict:
     """One row: did rank 0 fail within the group's timeout when its peer died?"""
-    import multiprocessing
     import queue
-    import socket
 
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_dead_peer_worker, args=(rank, port, args, results)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
+    procs, results = _start_pair(_dead_peer_worker, args)
     bound = args.dead_peer_timeout + 60
     row = {"device": "shared", "world_size": 2, "op": "dead_peer", "rank": 0, "fused_ran": True}
     try:
