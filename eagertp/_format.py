@@ -32,3 +32,11 @@ def tensor_str(t: torch.Tensor) -> str:
 def group_str(group: dist.ProcessGroup) -> str:
     """``group '3' (2 ranks)``: the c10d group name, stable within one program."""
     return f"group {group.group_name!r} ({group.size()} ranks)"
+
+
+def bytes_str(n: int) -> str:
+    """``1 MiB``, ``512 KiB``, ``1.5 KiB``, ``0 B``."""
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"

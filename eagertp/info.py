@@ -16,15 +16,9 @@ import torch
 import torch.distributed as dist
 
 import eagertp
+from eagertp._format import bytes_str
 from eagertp.backends import BACKENDS, KINDS, MIN_FUSE_BYTES
 from eagertp.backends import symm_mem
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
 
 
 def report() -> str:
@@ -63,7 +57,7 @@ def report() -> str:
             lines.append(f"  {name}: the plain collective, then the matmuls (an oracle)")
     lines += ["", "size rule in force (a collective whose per-rank buffer is smaller is issued as written):"]
     for device in sorted({d for d, _ in MIN_FUSE_BYTES}):
-        per_kind = ", ".join(f"{kind} {_bytes(MIN_FUSE_BYTES.get((device, kind), 0))}" for kind in KINDS)
+        per_kind = ", ".join(f"{kind} {bytes_str(MIN_FUSE_BYTES.get((device, kind), 0))}" for kind in KINDS)
         lines.append(f"  {device}: {per_kind}")
     return "\n".join(lines)
 

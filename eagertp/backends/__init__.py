@@ -56,6 +56,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from eagertp._format import bytes_str
 from eagertp.backends.base import Backend, ChunkConsumer, ChunkProducer, OrderedConsumer, RowsConsumer, ShardProducer
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.backends.ring import RingBackend
@@ -201,16 +202,9 @@ def _checked_min_fuse_bytes(value: int | Mapping[str, int] | None) -> int | dict
 
 def _size_rule_reason(nbytes: int, threshold: int) -> str:
     return (
-        f"size rule: {_bytes_str(nbytes)} per rank < min_fuse_bytes {_bytes_str(threshold)}, "
+        f"size rule: {bytes_str(nbytes)} per rank < min_fuse_bytes {bytes_str(threshold)}, "
         f"too small for overlap to pay; EagerMicroPipeline(min_fuse_bytes=...) changes it"
     )
-
-
-def _bytes_str(n: int) -> str:
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
 
 
 def _valid_names() -> str:
