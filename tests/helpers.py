@@ -146,6 +146,32 @@ class OpCounter(TorchDispatchMode):
         return sum(n for op, n in self.counts.items() if op.startswith(("aten.mm", "aten.addmm")))
 
 
+class GroupOpCounter(OpCounter):
+    """OpCounter that also records each collective's process group (by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_group: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import torch.distributed as dist
+
+        if func.namespace in ("c10d", "_c10d_functional"):
+            name = str(func).split(".")[1]
+            if not name.startswith(("wait", "_wrap")):
+                group = "?"
+                for a in (*args, *(kwargs or {}).values()):
+                    if isinstance(a, torch.ScriptObject):  # c10d ops take the group boxed
+                        with contextlib.suppress(RuntimeError):  # or a ReduceOp
+                            group = dist.ProcessGroup.unbox(a).group_name
+                    elif isinstance(a, dist.ProcessGroup):
+                        group = a.group_name
+                    elif isinstance(a, str) and func.namespace == "_c10d_functional":
+                        group = a
+                self.by_group[(group, name)] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def with_small_pieces(rank, group, worker, *args):
     """Run ``worker`` with the ring splitting every chunk of every collective
     into up to 4 pieces of one byte or more, so that small test shapes exercise

@@ -14,8 +14,8 @@ for the next.
 A worker that dies unexpectedly fails the test with ``WorkerDied``, which says
 how each dead rank ended (exit code or signal), what ``faulthandler`` wrote
 when it crashed (every thread's Python stack), and the jobs the pool ran
-before: a crash from memory corrupted earlier may surface tests later. The job
-runs once more on a fresh pool first (Note [A crash, run again]).
+before: a crash from memory corrupted earlier may surface tests later. A
+crash is never run again into a pass: it is a bug, as a hang is.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import socket
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -52,27 +51,6 @@ class RankError(AssertionError):
 
 class WorkerDied(RuntimeError):
     """A worker process exited mid-test (gloo aborts a process on some errors)."""
-
-
-class WorkerCrashWarning(UserWarning):
-    """A worker died in a job that then passed on a fresh pool (Note [A crash,
-    run again]); listed at the end of the test session too."""
-
-
-# Note [A crash, run again]
-# ------------------------
-# Twice in about 20 full runs (December 2026), a worker died in malloc (SIGSEGV
-# in gloo's pt_gloo_runloop thread; SIGABRT in the main thread): the heap was
-# corrupted earlier in the process's life, by a job we could not identify
-# (valgrind of the jobs of the module it surfaced in and the one before, all
-# on 2 ranks and up to the crash on 4, and of every _scaled_mm call they make,
-# found nothing: benchmarks/NOTES.md, 2026-12-02 at 94d3a94). A test then failed that
-# passes alone. So a job whose worker dies runs once more on a fresh pool: it
-# fails only if it dies again, and a crash it survives is kept whole (how each
-# rank died, faulthandler's stacks, the jobs the pool ran before) in
-# ``WorkerPool.crashes``, which the session's summary prints, and as a
-# ``WorkerCrashWarning``. Tests that crash a worker on purpose pass
-# ``rerun_after_crash=False``.
 
 
 def fuse_every_size() -> None:
@@ -180,7 +158,6 @@ class WorkerPool:
         self._conns: list[multiprocessing.connection.Connection] = []
         self._crash_dir = tempfile.mkdtemp(prefix="eagertp-workers-")
         self._recent: list[str] = []  # jobs since the pool started
-        self.crashes: list[str] = []  # Note [A crash, run again]: the reports of crashes a rerun survived
         self._start()
 
     def _crash_log(self, rank: int) -> str:
@@ -269,34 +246,12 @@ class WorkerPool:
         *args: Any,
         timeout: float = TEST_TIMEOUT,
         dying_ranks: frozenset[int] = frozenset(),
-        rerun_after_crash: bool = True,
     ) -> list[Any]:
         """``fn(rank, group, *args)`` on ``world_size`` ranks; their results in rank order.
 
         ``dying_ranks``: ranks whose process is meant to exit mid-job; their
         result is None, and the pool restarts afterwards (the survivors' groups
-        are broken).
-
-        A worker that dies unexpectedly raises ``WorkerDied``, once the job has
-        run a second time on a fresh pool (``rerun_after_crash``) and died
-        again: Note [A crash, run again]."""
-        try:
-            return self._run(fn, world_size, args, timeout, dying_ranks)
-        except WorkerDied as crash:
-            if not rerun_after_crash:
-                raise
-            try:
-                results = self._run(fn, world_size, args, timeout, dying_ranks)
-            except WorkerDied as again:
-                raise WorkerDied(f"{again}\n\nIt died the first time too:\n{crash}") from crash
-            # NB: any other failure of the rerun is raised with the crash as its context.
-            self.crashes.append(str(crash))
-            warnings.warn(f"a worker died; the job passed when run again on a fresh pool:\n{crash}", WorkerCrashWarning)
-            return results
-
-    def _run(
-        self, fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, dying_ranks: frozenset[int]
-    ) -> list[Any]:
+        are broken). Any other worker that dies raises ``WorkerDied``."""
         assert 1 <= world_size <= WORLD, f"world_size {world_size} not in 1..{WORLD}"
         job = _Job(fn, world_size, args)
         self._recent.append(f"{fn.__name__} on {world_size} ranks, args {args!r:.100}")

@@ -7,7 +7,6 @@ fails the test instead of stalling CI.
 from __future__ import annotations
 
 import time
-import warnings
 
 import pytest
 import torch
@@ -61,48 +60,19 @@ def _crash_worker(rank, group):
 
 
 def test_a_crashed_worker_fails_the_test_saying_how_and_where(pool):
-    """Test infrastructure: a rank that crashes (here a segfault it sends
-    itself) fails the test with how it ended, every thread's Python stack
-    from faulthandler, and the jobs the pool ran before it, where memory
-    corrupted by an earlier test would have come from."""
+    """Test infrastructure: a rank that crashes (here on purpose: a segfault
+    it sends itself) fails the test at once, never run again into a pass, with
+    how it ended, every thread's Python stack from faulthandler, and the jobs
+    the pool ran before it, where memory corrupted by an earlier test would
+    have come from."""
+    start = time.monotonic()
     with pytest.raises(WorkerDied) as failed:
-        pool.run(_crash_worker, 2, timeout=60, rerun_after_crash=False)
+        pool.run(_crash_worker, 2, timeout=60)
+    assert time.monotonic() - start < 20, "run once"
     message = str(failed.value)
     assert "rank 1: killed by SIGSEGV" in message, message
     assert "Fatal Python error: Segmentation fault" in message and "_crash_worker" in message, message
     assert "jobs since the pool started (" in message and "_crash_worker on 2 ranks" in message, message
-
-
-def _crash_once_worker(rank, group, marker):
-    """Rank 1 segfaults unless ``marker`` exists, which it creates first."""
-    import os
-    import signal
-
-    if rank == 1 and not os.path.exists(marker):
-        open(marker, "w").close()
-        os.kill(os.getpid(), signal.SIGSEGV)
-    return rank
-
-
-def test_a_job_whose_worker_crashed_once_passes_on_a_fresh_pool_and_the_crash_is_kept(pool, tmp_path):
-    """Test infrastructure, Note [A crash, run again]: the job runs once more
-    on a fresh pool; its crash report is kept and warned about, not dropped."""
-    from multirank import WorkerCrashWarning
-
-    before = len(pool.crashes)
-    with pytest.warns(WorkerCrashWarning, match="rank 1: killed by SIGSEGV"):
-        assert pool.run(_crash_once_worker, 2, str(tmp_path / "crashed"), timeout=60) == [0, 1]
-    assert len(pool.crashes) == before + 1
-    assert "_crash_once_worker" in pool.crashes.pop(), "a crash the test made on purpose: not for the summary"
-
-
-def test_a_job_whose_worker_crashes_twice_fails_with_both_reports(pool):
-    before = len(pool.crashes)
-    with pytest.raises(WorkerDied) as failed:
-        pool.run(_crash_worker, 2, timeout=60)
-    assert len(pool.crashes) == before, "a crash no rerun survived fails its test, not the summary"
-    assert str(failed.value).count("rank 1: killed by SIGSEGV") == 2, str(failed.value)
-    assert "It died the first time too:" in str(failed.value)
 
 
 def _hang_worker(rank, group):
@@ -116,18 +86,12 @@ def _hang_worker(rank, group):
 
 def test_a_hung_job_fails_at_once_with_every_ranks_stacks(pool):
     """Test infrastructure: a job that outlives its timeout fails as a hang
-    (TimeoutError, never run again as a crash would be), with every live
-    rank's threads' stacks and the jobs the pool ran before it."""
-    from multirank import WorkerCrashWarning
-
-    before = len(pool.crashes)
+    (TimeoutError, never run again), with every live rank's threads' stacks
+    and the jobs the pool ran before it."""
     start = time.monotonic()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", WorkerCrashWarning)
-        with pytest.raises(TimeoutError) as hung:
-            pool.run(_hang_worker, 2, timeout=3)
+    with pytest.raises(TimeoutError) as hung:
+        pool.run(_hang_worker, 2, timeout=3)
     assert time.monotonic() - start < 30, "run once, not again on a fresh pool"
-    assert len(pool.crashes) == before
     message = str(hung.value)
     assert "rank 0 did not finish within 3 s (hang)" in message, message
     assert "rank 0's faulthandler:" in message and "in _hang_worker" in message, message
@@ -156,9 +120,10 @@ def test_a_job_that_makes_a_group_on_some_ranks_fails_by_name(pool):
 
 def test_mismatched_shapes_without_verify_fail_like_plain_eager(pool):
     """Plain eager on gloo aborts the process ("Received data size doesn't match
-    expected size"); eagertp's ring does the same. Never a silent result."""
+    expected size"); eagertp's ring does the same, so a worker may die here on
+    purpose. Never a silent result."""
     with pytest.raises((WorkerDied, RankError)):
-        pool.run(_mismatch_worker, 2, False, timeout=40, rerun_after_crash=False)
+        pool.run(_mismatch_worker, 2, False, timeout=40)
 
 
 # -- schedule invariance ---------------------------------------------------------------
@@ -452,10 +417,13 @@ def test_thousands_of_steps_leave_no_growth_and_no_unfilled_placeholder(pool):
 # -- a dead or stuck peer ------------------------------------------------------------------
 
 
-def _lost_peer_worker(rank, group, kind, fate):
+def _lost_peer_worker(rank, group, kind, fate, first=False):
     """The last rank of a group with SHORT_TIMEOUT issues nothing (``"returns"``:
     alive, but on to other work; ``"dies"``: its process exits); the others
-    issue one collective and must raise a PeerError within the group's timeout."""
+    issue one collective and must raise a PeerError within the group's timeout.
+    Unless ``first``, every rank has run a ring collective on the group before,
+    so that the one that fails finds the ring's own connections made (Note
+    [eagertp's own connections] in eagertp.backends.ring)."""
     import os
     import time
 
@@ -465,6 +433,9 @@ def _lost_peer_worker(rank, group, kind, fate):
     from eagertp import PeerError
 
     short = SHORT_GROUPS[group.size()]
+    if not first:
+        with EagerMicroPipeline(backend="ring"):
+            (all_gather(integer_tensor((2, 4), torch.float32, seed=rank), short) @ torch.ones(4, 3)).sum()
     if rank == group.size() - 1:
         if fate == "dies":
             os._exit(0)
@@ -534,3 +505,27 @@ def test_a_lost_peer_raises_naming_it_within_the_group_timeout(pool, kind, world
             assert "Timed out" in r["error"] and r["elapsed"] > SHORT_TIMEOUT.total_seconds() - 1, r
         # NB: gloo closes a pair whose receive timed out, so in the 3-rank ring rank 1
         # then fails with "Connection closed by peer" naming rank 0, at once.
+
+
+@pytest.mark.parametrize("world, fate", [(2, "dies"), (3, "returns")])
+def test_a_peer_lost_before_the_first_ring_collective_is_named(pool, world, fate):
+    """The ring's own connections are made by every rank of the group at its
+    first ring collective: a peer that never comes is named as in a transfer."""
+    from multirank import SHORT_TIMEOUT
+
+    try:
+        results = pool.run(
+            _lost_peer_worker, world, "all_gather_read", fate, True,
+            timeout=60, dying_ranks=frozenset({world - 1} if fate == "dies" else ()),
+        )
+    finally:
+        if fate != "dies":
+            pool.restart()
+    for rank, r in enumerate(results[:-1]):
+        assert r["error"] is not None, f"rank {rank} did not raise"
+        assert r["error"].startswith(
+            f"eagertp: all_gather of f32[2, 4] on group {r['group']!r} ({world} ranks): rank {rank} waited for "
+            f"rank {world - 1} (global rank {world - 1}) and the transfer failed: it did not come to set up "
+            "eagertp's own connections over the group within 0:00:05"
+        ), r["error"]
+        assert SHORT_TIMEOUT.total_seconds() - 1 < r["elapsed"] < SHORT_TIMEOUT.total_seconds() + 5, r

@@ -67,15 +67,20 @@ as it is added (Note [Interleaved all-reduce]).
 from __future__ import annotations
 
 import _thread
+import atexit
 import collections
 import itertools
+import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from eagertp.backends.base import (
     ALL_ROWS,
@@ -94,6 +99,8 @@ from eagertp.backends.base import (
     wait_for_peer,
 )
 from eagertp.trace import Meta, Reason, Text
+
+log = logging.getLogger(__name__)
 
 
 class RingBackend:
@@ -143,7 +150,7 @@ class RingBackend:
         else:
             what = Reason("reduce_scatter({}) -> {}", reduce_op, Meta.of(out))
             rows = chunk_rows(out)  # pieces are rows of it, whatever out's dims (ChunkProducer)
-            _Links(group, what).reduce_scatter(producer, rows, reduce_op, piece_rows(rows, "reduce_scatter"))
+            _Links(group, what, out.device).reduce_scatter(producer, rows, reduce_op, piece_rows(rows, "reduce_scatter"))
         if reduce_op == "avg":
             out.div_(world)
 
@@ -182,6 +189,7 @@ class _P2PGather:
         world, rank = group.size(), group.rank()
         self._rank, self._group = rank, group
         self._what = Reason("all_gather of {}", Meta.of(shard))
+        transport = transport_of(group, ag_out.device, self._what)
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         # What travels: the pieces, each split once more on the 2-rank ring over
@@ -204,13 +212,13 @@ class _P2PGather:
         ]
         try:
             if producer is None:
-                works = _post(ops, group)
+                works = _post(ops, transport)
             else:  # 2 ranks on gloo: the receives, then each message sent as soon as it is made
                 assert world == 2 and ag_out.device.type == "cpu", "produced gathers: RingBackend.produce_all_gather"
-                works = [post(t, group, peer) for post, t, peer in ops[:n_receives]]
+                works = [post(t, transport, peer) for post, t, peer in ops[:n_receives]]
                 for w, (post, piece, peer) in zip(messages, ops[n_receives:]):
                     producer(piece, w)
-                    works.append(post(piece, group, peer))
+                    works.append(post(piece, transport, peer))
         except RuntimeError as e:
             raise peer_error(e, self._what, group, sources[0] if sources else rank) from e  # 2 ranks: the one peer
         # What is consumed, once the messages are on their way.
@@ -323,7 +331,7 @@ class _ThreadedRing:
     ) -> None:
         world, rank = group.size(), group.rank()
         self._rank = rank
-        self._links = _Links(group, Reason("all_gather of {}", Meta.of(shard)), tag)
+        self._links = _Links(group, Reason("all_gather of {}", Meta.of(shard)), ag_out.device, tag)
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
         rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
         self._whole = slice(0, rows[-1].stop)
@@ -422,20 +430,21 @@ class _Links:
     """Point-to-point messages of one collective to the next rank and from the
     previous one, each post and wait naming the collective if it fails."""
 
-    def __init__(self, group: dist.ProcessGroup, what: Text, tag: int = 0) -> None:
+    def __init__(self, group: dist.ProcessGroup, what: Text, device: torch.device, tag: int = 0) -> None:
         world, rank = group.size(), group.rank()
         self.group, self.what, self.tag = group, what, tag
+        self.transport = transport_of(group, device, what)
         self.send_to, self.recv_from = (rank + 1) % world, (rank - 1) % world
 
     def isend(self, t: torch.Tensor) -> dist.Work:
         try:
-            return _isend(t, self.group, self.send_to, self.tag)
+            return _isend(t, self.transport, self.send_to, self.tag)
         except RuntimeError as e:
             raise peer_error(e, self.what, self.group, self.send_to) from e
 
     def irecv(self, t: torch.Tensor) -> dist.Work:
         try:
-            return _irecv(t, self.group, self.recv_from, self.tag)
+            return _irecv(t, self.transport, self.recv_from, self.tag)
         except RuntimeError as e:
             raise peer_error(e, self.what, self.group, self.recv_from) from e
 
@@ -516,7 +525,7 @@ class _InterleavedAllReduce:
     def __init__(self, producer: ChunkProducer, out: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> None:
         rank = group.rank()
         self._rank, self._peer = rank, 1 - rank
-        self._links = links = _Links(group, Reason("all_reduce({}) of {}", reduce_op, Meta.of(out)))
+        self._links = links = _Links(group, Reason("all_reduce({}) of {}", reduce_op, Meta.of(out)), out.device)
         self._chunks = chunks = out.view(2, out.shape[0] // 2, *out.shape[1:])
         own, peer = chunks[rank], chunks[self._peer]
         self._rows = rows = piece_rows(own, "all_reduce")
@@ -792,21 +801,145 @@ def _split_rows(start: int, n_rows: int, row_bytes: int, max_pieces: int, min_by
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-# NB: straight to the group, as dist.isend / dist.irecv end up calling it: their
-# checks (a rank of the group, a dense tensor, ...) hold here by construction,
-# and cost about 40 us an op with both cores busy (benchmarks/NOTES.md).
-def _isend(t: torch.Tensor, group: dist.ProcessGroup, group_dst: int, tag: int = 0) -> dist.Work:
-    return group.send([torch.view_as_real(t) if t.is_complex() else t], group_dst, tag)
+# Note [eagertp's own connections]
+# On gloo, the ring's messages travel over connections of eagertp's own, never
+# over the user's process group, and one thread at a time posts on them.
+# torch's ProcessGroupGloo is written for one thread ("For multi-threaded usage
+# of process groups, you can consider using multiple process group
+# instances", ProcessGroupGloo.hpp), while the ring posts from several: the
+# forwards of a ring over more than 2 ranks from its helper thread (Note [Who
+# drives the ring]), while the program's thread starts the next gather or
+# issues the user's own collectives on the same group. A heap corrupted in
+# gloo's threads killed a test worker about once in 10-20 full test runs,
+# always in the suite's busiest users of gloo from several threads at once
+# (benchmarks/NOTES.md, 2026-12-02 at 94d3a94); nothing finer was found.
+# So each group gets a ``Transport``: a ProcessGroupGloo of its own over the
+# same ranks, made as torch makes a gloo group (from the group's store, under
+# a prefix of its own, with the group's timeout), by every rank of the group
+# at its first ring collective (the same point in program order on every rank,
+# Invariant 2). Each post holds the transport's lock; a wait holds nothing (it
+# touches only its own Work, and a helper waits while the program's thread
+# posts the receive its peer needs next). The user's group then carries the
+# user's collectives only, from the user's thread. NCCL posts a gather as one
+# batch from the program's thread, on the group itself.
 
 
-def _irecv(t: torch.Tensor, group: dist.ProcessGroup, group_src: int, tag: int = 0) -> dist.Work:
-    return group.recv([torch.view_as_real(t) if t.is_complex() else t], group_src, tag)
+class Transport:
+    """Where the ring posts its messages to a group's ranks: eagertp's own
+    gloo connections on CPU, the group itself elsewhere (Note [eagertp's own
+    connections]). ``lock`` is held around every post."""
+
+    def __init__(self, group: dist.ProcessGroup, backend: dist.ProcessGroup | None) -> None:
+        self.group = group  # the user's: names and timeouts in errors
+        self.backend = backend  # None: post on the group itself (NCCL)
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend._get_backend(torch.device("cpu")).shutdown()
+            self.backend = None
 
 
-def _post(ops: list[tuple[Callable, torch.Tensor, int]], group: dist.ProcessGroup) -> list[dist.Work]:
+# group name -> (a reference to the group, its transport), one per live group.
+_transports: dict[str, tuple[weakref.ref, Transport]] = {}
+# group name -> transports made for groups of that name: the key prefix of the
+# next, the same on every rank (groups are made, and rings run, in program order).
+_transports_made: collections.Counter[str] = collections.Counter()
+
+
+def transport_of(group: dist.ProcessGroup, device: torch.device, what: Text) -> Transport:
+    """The group's transport, made on first use (collectively: every rank of
+    the group calls this at the same point, Note [eagertp's own connections]),
+    by ``what`` (the collective, for the error if a peer never comes)."""
+    name = group.group_name
+    entry = _transports.get(name)
+    if entry is not None and entry[0]() is group:
+        return entry[1]
+    if entry is not None:  # a destroyed group's name, reused
+        entry[1].close()
+    transport = Transport(group, _own_gloo_group(group, what) if device.type == "cpu" else None)
+    _transports[name] = (weakref.ref(group), transport)
+    return transport
+
+
+def _own_gloo_group(group: dist.ProcessGroup, what: Text) -> dist.ProcessGroup | None:
+    """A gloo group of eagertp's own over ``group``'s ranks, made as
+    torch.distributed makes one, but known to it only through us (so
+    ``new_group``'s every-rank rule does not apply: only the group's ranks
+    make it); None where torch.distributed does not know ``group`` (its store
+    is then unknown: the ring posts on the group itself, under the lock)."""
+    name = group.group_name
+    try:
+        store = c10d._get_process_group_store(group)
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (KeyError, RuntimeError, AttributeError) as e:
+        log.info("eagertp: the ring posts on group %r itself (%s: no store or timeout known)", name, e)
+        return None
+    store = c10d.PrefixStore(f"eagertp/transport/{name}/{_transports_made[name]}/", store)
+    _transports_made[name] += 1
+    rank, size = group.rank(), group.size()
+    _meet(store, group, timeout, what)
+    own = dist.ProcessGroup(store, rank, size)
+    gloo = dist.ProcessGroup.BackendType.GLOO
+    own._set_default_backend(gloo)
+    own._register_backend(torch.device("cpu"), gloo, dist.ProcessGroupGloo(store, rank, size, timeout=timeout))
+    own._set_group_name(own_group_name(name))
+    log.debug("eagertp: made the ring's own gloo connections over group %r (%d ranks)", name, size)
+    return own
+
+
+def _meet(store: dist.Store, group: dist.ProcessGroup, timeout: timedelta, what: Text) -> None:
+    """Return once every rank of ``group`` has come to make the transport;
+    a ``PeerError`` naming the first that did not within ``timeout`` (gloo's
+    own setup would fail naming a store key)."""
+    rank, size = group.rank(), group.size()
+    store.set(f"arrived/{rank}", "1")
+    peers = [f"arrived/{peer}" for peer in range(size) if peer != rank]
+    try:
+        store.wait(peers, timeout)
+    except RuntimeError as e:  # NB: DistStoreError is one
+        missing = [peer for peer in range(size) if peer != rank and not store.check([f"arrived/{peer}"])]
+        peer = missing[0] if missing else (rank + 1) % size
+        cause = RuntimeError(f"it did not come to set up eagertp's own connections over the group within {timeout}")
+        raise peer_error(cause, what, group, peer) from e
+
+
+def own_group_name(name: str) -> str:
+    """The name of eagertp's own group over the group named ``name``: what a
+    dispatch mode outside eagertp's sees the ring's sends and receives on."""
+    return f"{name}+eagertp"
+
+
+@atexit.register
+def _close_transports() -> None:
+    """Before the interpreter finalises: joined while Python still runs,
+    gloo's threads hold nothing that needs it at exit."""
+    for _, transport in _transports.values():
+        transport.close()
+    _transports.clear()
+
+
+# NB: straight to the group, as dist.isend / dist.irecv end up calling it:
+# their checks (a rank of the group, a dense tensor, ...) hold here by
+# construction, and cost about 40 us an op with both cores busy
+# (benchmarks/NOTES.md).
+def _isend(t: torch.Tensor, transport: Transport, group_dst: int, tag: int = 0) -> dist.Work:
+    tensors = [torch.view_as_real(t) if t.is_complex() else t]
+    with transport.lock:
+        return (transport.backend or transport.group).send(tensors, group_dst, tag)
+
+
+def _irecv(t: torch.Tensor, transport: Transport, group_src: int, tag: int = 0) -> dist.Work:
+    tensors = [torch.view_as_real(t) if t.is_complex() else t]
+    with transport.lock:
+        return (transport.backend or transport.group).recv(tensors, group_src, tag)
+
+
+def _post(ops: list[tuple[Callable, torch.Tensor, int]], transport: Transport) -> list[dist.Work]:
     """Post ``(_isend or _irecv, tensor, peer)`` in order: one Work each on
     CPU (gloo), one ``batch_isend_irecv`` elsewhere, which NCCL coalesces."""
     if not ops or ops[0][1].device.type == "cpu":
-        return [post(t, group, peer) for post, t, peer in ops]
+        return [post(t, transport, peer) for post, t, peer in ops]
     p2p = {_isend: dist.isend, _irecv: dist.irecv}
+    group = transport.group
     return dist.batch_isend_irecv([dist.P2POp(p2p[post], t, group=group, group_peer=peer) for post, t, peer in ops])
