@@ -529,3 +529,39 @@ def test_a_peer_lost_before_the_first_ring_collective_is_named(pool, world, fate
             "eagertp's own connections over the group within 0:00:05"
         ), r["error"]
         assert SHORT_TIMEOUT.total_seconds() - 1 < r["elapsed"] < SHORT_TIMEOUT.total_seconds() + 5, r
+
+
+def _transport_ends_worker(rank, group):
+    import gc
+
+    import torch.distributed as dist
+
+    from eagertp.backends import ring
+
+    def gloo_threads() -> int:
+        import os
+
+        names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+        return sum(n.startswith(("gloo", "pt_gloo")) for n in names)
+
+    before = gloo_threads()
+    mine = dist.new_group(list(range(group.size())))  # every pool rank makes it (Note [Groups made by jobs])
+    name = mine.group_name
+    with EagerMicroPipeline(backend="ring"):
+        y = all_gather(integer_tensor((4, 8), torch.float32, rank), mine) @ torch.ones(8, 2)
+    made = name in ring._transports and ring._transports[name][1].own is not None
+    with_transport = gloo_threads()
+    dist.destroy_process_group(mine)
+    del mine
+    gc.collect()
+    return {"made": made, "gone": name not in ring._transports, "threads": (before, with_transport, gloo_threads()),
+            "sum": float(y.sum())}
+
+
+def test_a_groups_transport_ends_with_the_group(pool):
+    """Note [eagertp's own connections]: nothing of eagertp keeps gloo threads
+    alive once the user destroys the group its ring ran on."""
+    for r in pool.run(_transport_ends_worker, 4):
+        before, with_transport, after = r["threads"]
+        assert r["made"] and r["gone"], r
+        assert with_transport > before and after == before, r

@@ -126,9 +126,9 @@ def _one_thread_worker(rank, group):
     with counter, EagerMicroPipeline(backend="ring"):  # the group's transport, made collectively
         (all_gather(integer_tensor((4, 8), torch.float32, rank), group) @ torch.ones(8, 2)).sum()
     transport = ring.transport_of(group, torch.device("cpu"), "the test")
-    own = transport.backend
-    assert own is not None and own is not group and own.group_name == ring.own_group_name(group.group_name)
-    watched = transport.backend = _OnePostAtATime(own)
+    own = transport.own
+    assert own is not None and transport.target is own and own is not group and own.group_name == ring.own_group_name(group.group_name)
+    watched = transport.target = _OnePostAtATime(own)
     try:
         with counter, EagerMicroPipeline(backend="ring"):
             gathered = [all_gather(integer_tensor((8, 8), torch.float32, rank + i), group) for i in range(3)]
@@ -137,7 +137,7 @@ def _one_thread_worker(rank, group):
             total = sum((ag @ torch.ones(8, 2)).sum() for ag in gathered)
             total += reduce_scatter(torch.ones(8, 4) @ torch.ones(4, 4), group).sum()
     finally:
-        transport.backend = own
+        transport.target = own
     posted = {op: n for (g, op), n in counter.by_group.items() if g == group.group_name and op in ("send", "recv_")}
     on_own = sum(n for (g, op), n in counter.by_group.items() if g == own.group_name)
     return {"most_inside": watched.most_inside, "threads": len(watched.threads),

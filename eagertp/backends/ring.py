@@ -67,7 +67,6 @@ as it is added (Note [Interleaved all-reduce]).
 from __future__ import annotations
 
 import _thread
-import atexit
 import collections
 import itertools
 import logging
@@ -212,7 +211,7 @@ class _P2PGather:
         ]
         try:
             if producer is None:
-                works = _post(ops, transport)
+                works = _post(ops, group, transport)
             else:  # 2 ranks on gloo: the receives, then each message sent as soon as it is made
                 assert world == 2 and ag_out.device.type == "cpu", "produced gathers: RingBackend.produce_all_gather"
                 works = [post(t, transport, peer) for post, t, peer in ops[:n_receives]]
@@ -822,22 +821,26 @@ def _split_rows(start: int, n_rows: int, row_bytes: int, max_pieces: int, min_by
 # posts the receive its peer needs next). The user's group then carries the
 # user's collectives only, from the user's thread. NCCL posts a gather as one
 # batch from the program's thread, on the group itself.
+# A transport holds no reference to the user's group, and ends with it (or at
+# exit): once the user destroys the group, nothing of eagertp keeps gloo
+# threads of its own alive.
 
 
 class Transport:
     """Where the ring posts its messages to a group's ranks: eagertp's own
-    gloo connections on CPU, the group itself elsewhere (Note [eagertp's own
+    gloo group on CPU (``own``), else the group itself (Note [eagertp's own
     connections]). ``lock`` is held around every post."""
 
-    def __init__(self, group: dist.ProcessGroup, backend: dist.ProcessGroup | None) -> None:
-        self.group = group  # the user's: names and timeouts in errors
-        self.backend = backend  # None: post on the group itself (NCCL)
+    def __init__(self, group: dist.ProcessGroup, own: dist.ProcessGroup | None) -> None:
+        self.own = own
+        # What posts go to: NB a proxy of the user's group, never a reference.
+        self.target = own if own is not None else weakref.proxy(group)
         self.lock = threading.Lock()
 
     def close(self) -> None:
-        if self.backend is not None:
-            self.backend._get_backend(torch.device("cpu")).shutdown()
-            self.backend = None
+        if self.own is not None:
+            self.own._get_backend(torch.device("cpu")).shutdown()
+            self.own = None
 
 
 # group name -> (a reference to the group, its transport), one per live group.
@@ -859,7 +862,18 @@ def transport_of(group: dist.ProcessGroup, device: torch.device, what: Text) -> 
         entry[1].close()
     transport = Transport(group, _own_gloo_group(group, what) if device.type == "cpu" else None)
     _transports[name] = (weakref.ref(group), transport)
+    weakref.finalize(group, _close_transport, name, transport)
     return transport
+
+
+def _close_transport(name: str, transport: Transport) -> None:
+    """The user's group is gone, or the interpreter is about to finalise
+    (``weakref.finalize`` runs then too, while Python still runs): so is its
+    transport, its gloo threads joined."""
+    transport.close()
+    entry = _transports.get(name)
+    if entry is not None and entry[1] is transport:
+        del _transports[name]
 
 
 def _own_gloo_group(group: dist.ProcessGroup, what: Text) -> dist.ProcessGroup | None:
@@ -910,15 +924,6 @@ def own_group_name(name: str) -> str:
     return f"{name}+eagertp"
 
 
-@atexit.register
-def _close_transports() -> None:
-    """Before the interpreter finalises: joined while Python still runs,
-    gloo's threads hold nothing that needs it at exit."""
-    for _, transport in _transports.values():
-        transport.close()
-    _transports.clear()
-
-
 # NB: straight to the group, as dist.isend / dist.irecv end up calling it:
 # their checks (a rank of the group, a dense tensor, ...) hold here by
 # construction, and cost about 40 us an op with both cores busy
@@ -926,20 +931,22 @@ def _close_transports() -> None:
 def _isend(t: torch.Tensor, transport: Transport, group_dst: int, tag: int = 0) -> dist.Work:
     tensors = [torch.view_as_real(t) if t.is_complex() else t]
     with transport.lock:
-        return (transport.backend or transport.group).send(tensors, group_dst, tag)
+        return transport.target.send(tensors, group_dst, tag)
 
 
 def _irecv(t: torch.Tensor, transport: Transport, group_src: int, tag: int = 0) -> dist.Work:
     tensors = [torch.view_as_real(t) if t.is_complex() else t]
     with transport.lock:
-        return (transport.backend or transport.group).recv(tensors, group_src, tag)
+        return transport.target.recv(tensors, group_src, tag)
 
 
-def _post(ops: list[tuple[Callable, torch.Tensor, int]], transport: Transport) -> list[dist.Work]:
+def _post(
+    ops: list[tuple[Callable, torch.Tensor, int]], group: dist.ProcessGroup, transport: Transport
+) -> list[dist.Work]:
     """Post ``(_isend or _irecv, tensor, peer)`` in order: one Work each on
-    CPU (gloo), one ``batch_isend_irecv`` elsewhere, which NCCL coalesces."""
+    CPU (gloo), one ``batch_isend_irecv`` on ``group`` elsewhere, which NCCL
+    coalesces."""
     if not ops or ops[0][1].device.type == "cpu":
         return [post(t, transport, peer) for post, t, peer in ops]
     p2p = {_isend: dist.isend, _irecv: dist.irecv}
-    group = transport.group
     return dist.batch_isend_irecv([dist.P2POp(p2p[post], t, group=group, group_peer=peer) for post, t, peer in ops])
