@@ -8,7 +8,7 @@ in flight, consumes them, and ends with a matmul + reduce-scatter and a matmul
 seeds, so it checks each step's results against plain matmuls of the full
 tensors, bitwise (small integers), with no communication of its own.
 
-Bounded at about STRESS_SECONDS (20 s) of steps. For a long manual run, under
+Bounded at about STRESS_SECONDS (30 s) of steps. For a long manual run, under
 glibc's checking allocator::
 
     LD_PRELOAD=libc_malloc_debug.so.0 \\
@@ -26,7 +26,7 @@ from helpers import GroupOpCounter, OpCounter, all_gather, all_reduce, integer_t
 
 from eagertp import EagerMicroPipeline
 
-STRESS_SECONDS = float(os.environ.get("EAGERTP_STRESS_SECONDS", "20"))
+STRESS_SECONDS = float(os.environ.get("EAGERTP_STRESS_SECONDS", "30"))
 GATHERS = ((8, 16, 12), (6, 16, 20), (4, 8, 8))  # (rows per rank, K, N) of each gathered matmul
 
 
