@@ -83,6 +83,7 @@ def test_the_rings_threads_under_stress_give_every_step_right(pool):
     for rank, r in enumerate(results):
         assert r["wrong"] == [], f"rank {rank}: steps with wrong results or unfused collectives: {r['wrong']}"
         assert r["steps"] >= 5 and r["p2p"] > 0 and r["unfused"] == 0, r
+    print(f"stress: {results[0]['steps']} steps in {STRESS_SECONDS:.0f} s, every result right on every rank")
 
 
 class _OnePostAtATime:

@@ -813,9 +813,10 @@ def _split_rows(start: int, n_rows: int, row_bytes: int, max_pieces: int, min_by
 # always in the suite's busiest users of gloo from several threads at once
 # (benchmarks/NOTES.md, 2026-12-02 at 94d3a94); nothing finer was found.
 # So each group gets a ``Transport``: a ProcessGroupGloo of its own over the
-# same ranks, made as torch makes a gloo group (from the group's store, under
-# a prefix of its own, with the group's timeout), by every rank of the group
-# at its first ring collective (the same point in program order on every rank,
+# same ranks (its own context, connections and sockets, on the group's gloo
+# device), made as torch makes a gloo group (from the group's store, under a
+# prefix of its own, with the group's timeout), by every rank of the group at
+# its first ring collective (the same point in program order on every rank,
 # Invariant 2). Each post holds the transport's lock; a wait holds nothing (it
 # touches only its own Work, and a helper waits while the program's thread
 # posts the receive its peer needs next). The user's group then carries the
@@ -885,18 +886,24 @@ def _own_gloo_group(group: dist.ProcessGroup, what: Text) -> dist.ProcessGroup |
     name = group.group_name
     try:
         store = c10d._get_process_group_store(group)
-        timeout = group._get_backend(torch.device("cpu")).options._timeout
+        users = group._get_backend(torch.device("cpu")).options
     except (KeyError, RuntimeError, AttributeError) as e:
         log.info("eagertp: the ring posts on group %r itself (%s: no store or timeout known)", name, e)
         return None
     store = c10d.PrefixStore(f"eagertp/transport/{name}/{_transports_made[name]}/", store)
     _transports_made[name] += 1
     rank, size = group.rank(), group.size()
-    _meet(store, group, timeout, what)
+    _meet(store, group, users._timeout, what)
     own = dist.ProcessGroup(store, rank, size)
     gloo = dist.ProcessGroup.BackendType.GLOO
     own._set_default_backend(gloo)
-    own._register_backend(torch.device("cpu"), gloo, dist.ProcessGroupGloo(store, rank, size, timeout=timeout))
+    # NB: on the user's group's gloo device (its network interface, and its one
+    # thread that moves every pair's bytes: a device of its own measured 2-4%
+    # slower on 4 ranks on 2 cores), with one worker thread (collectives run
+    # there; the ring posts none).
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout, options._devices, options._threads = users._timeout, users._devices, 1
+    own._register_backend(torch.device("cpu"), gloo, dist.ProcessGroupGloo(store, rank, size, options))
     own._set_group_name(own_group_name(name))
     log.debug("eagertp: made the ring's own gloo connections over group %r (%d ranks)", name, size)
     return own
