@@ -29,14 +29,18 @@ def exit_spawned_rank(code: int) -> NoReturn:
     """End a rank process (spawned, or launched by torchrun) whose work is done,
     without finalising Python.
 
-    NB: once a dispatch mode has run in a process (any TorchDispatchMode, seen
-    on torch 2.13), ``destroy_process_group`` leaves the gloo group's threads
-    running. At interpreter exit one of them may then free a finished Work that
-    holds a Python tensor, needs the GIL, and the process aborts with
-    "terminate called without an active exception" (about 1 run in 40 of a
-    short benchmark). Called after ``destroy_process_group``, with the rank's
-    results already handed over, this skips finalisation as multiprocessing's
-    forked children do.
+    NB: torch's, not eagertp's. After a funcol collective on a gloo group
+    (plain eager, no mode at all; torch 2.13), ``destroy_process_group``
+    leaves the group alive (referenced from outside Python's garbage
+    collector), so its gloo threads run on to the interpreter's exit. A run
+    of a short benchmark once in about 40 aborted there ("terminate called
+    without an active exception"): a gloo thread freed a barrier's Work that
+    needs the GIL while Python finalised. eagertp holds no group past a
+    block, and its own gloo group ends with the user's (Note [eagertp's own
+    connections] in eagertp.backends.ring); scripts that return normally are
+    tested in tests/test_exit.py. The demo and the benchmarks, run in CI and
+    in loops, still leave this way after teardown, with the rank's results
+    handed over, as multiprocessing's forked children do.
     """
     sys.stdout.flush()
     sys.stderr.flush()

@@ -22,8 +22,10 @@ instead (``EmulatedStreams``): from entry to exit of ``emulated_symm_mem``,
 every op's reads and writes are recorded with its stream's vector clock, and
 two unordered accesses to the same bytes from different streams, one a write,
 fail the test (a race on a GPU), across any number of gathers in flight and
-reduce-scatters in between. Stream waits, event records and waits, barriers and
-host waits are also logged. Everything else is the real code: eagertp's
+reduce-scatters in between; so does memory the program frees while another
+stream than its own may still use it, unrecorded (Note [Freed on one stream,
+used on another]). Stream waits, event records and waits, barriers,
+record_stream and host waits are also logged. Everything else is the real code: eagertp's
 gathers, and torch's reduce-scatter (its chunk order, buffer offsets,
 contiguity checks) and workspace sizing (and the error it raises when the
 workspace would have to grow during CUDA graph capture), with eagertp's
@@ -240,6 +242,21 @@ class _Access:
     storage: torch.UntypedStorage
 
 
+# Note [Freed on one stream, used on another]
+# CUDA's caching allocator keeps a block with the stream it was allocated on,
+# and lends a freed block to the next allocation on that stream at once: safe
+# for that stream's own work (in order), a race for any other stream that
+# still reads or writes it, unless that stream's work was ordered before the
+# allocating stream's (a wait), or ``record_stream`` named the other stream
+# (then the allocator waits for an event on it before reuse). Here every op's
+# new output storage is taken as allocated on the current stream; at the next
+# allocation, each storage the program has freed since (only this table still
+# holds it) is checked: every access from another stream must be ordered
+# before the allocating stream, waited for by the host, or recorded. CPU's
+# allocator would reuse the address at once, so a storage stays held until
+# that check, then its accesses are forgotten.
+
+
 class EmulatedStreams:
     """torch's current and backend streams, the streams code creates, a log
     of stream and event waits, event records, barriers and host waits, and a
@@ -261,6 +278,11 @@ class EmulatedStreams:
         self._peers: dict[str, _InOrderStream] = {}  # stream name -> the peers' same stream
         self.host: dict[str, int] = {}  # what the host has waited for, per stream
         self._accesses: dict[int, list[_Access]] = {}  # storage -> accesses
+        # Note [Freed on one stream, used on another]: storage -> itself (held:
+        # its address is not reused while tracked) and the stream it was
+        # allocated on; storage -> the streams record_stream named for it.
+        self._allocated: dict[int, tuple[torch.UntypedStorage, _InOrderStream]] = {}
+        self._recorded: dict[int, set[str]] = {}
         self._mirrors: dict[int, torch.Tensor] = {}  # a peer's buffer, mapped here -> this rank's
 
     def current(self, device=None) -> _InOrderStream:
@@ -277,7 +299,14 @@ class EmulatedStreams:
         return stream
 
     def synchronize(self, device=None) -> None:
-        """``torch.cuda.synchronize()``: the host waits for every stream."""
+        """``torch.cuda.synchronize()``: the host waits for every stream.
+
+        NB: it never blocks here, and needs not to: what a stream owes that
+        another rank must provide is a barrier, and an emulated barrier
+        blocks the host where it is issued until every peer reaches it (or
+        the group's timeout). A program whose synchronize would wait forever
+        on CUDA (a peer that never reaches the barrier, or reaches it only
+        after this host does more) stops at that barrier here, earlier."""
         for stream in (self.default, self.backend, *self._created):
             stream.synchronize()
 
@@ -381,6 +410,47 @@ class EmulatedStreams:
         name = old.stream.name
         return old.stream is stream or old.tick <= max(stream.clock.get(name, 0), self.host.get(name, 0))
 
+    def record_stream(self, t: torch.Tensor, stream: _InOrderStream) -> None:
+        """``t.record_stream(stream)``: the caching allocator will not reuse
+        ``t``'s memory, once freed, before ``stream``'s work so far is done."""
+        self.log.append(f"record_stream on {stream.name}")
+        self._recorded.setdefault(t.untyped_storage().data_ptr(), set()).add(stream.name)
+
+    def allocated(self, t: torch.Tensor) -> None:
+        """An op's output ``t``: if its storage is new, it was allocated on the
+        current stream, after the program freed whatever it freed so far
+        (Note [Freed on one stream, used on another])."""
+        storage = t.untyped_storage()
+        try:
+            ptr = storage.data_ptr()
+        except RuntimeError:  # a tensor without data of its own (a wrapper subclass's inner view)
+            return
+        if ptr in self._allocated or ptr in self._accesses:
+            return
+        self._check_freed()
+        self._allocated[ptr] = (storage, self.current())
+
+    def _check_freed(self) -> None:
+        for ptr in {*self._allocated, *self._accesses}:
+            history = self._accesses.get(ptr, [])
+            storage = self._allocated[ptr][0] if ptr in self._allocated else history[0].storage
+            # NB: one reference is this table's and the accesses' (one Python object)
+            if torch._C._storage_Use_Count(storage._cdata) > 1:
+                continue
+            _, on = self._allocated.pop(ptr, (None, self.default))  # made before the emulation: the program's
+            recorded = self._recorded.pop(ptr, set())
+            self._accesses.pop(ptr, None)
+            for old in history:
+                name = old.stream.name
+                if old.stream is on or name in recorded or old.tick <= max(on.clock.get(name, 0), self.host.get(name, 0)):
+                    continue
+                raise AssertionError(
+                    f"freed while in use: the program freed memory allocated on the {on.name} stream that "
+                    f"{old.op} on the {name} stream may still {'write' if old.write else 'read'}, with no "
+                    f"wait on the {on.name} stream and no record_stream({name}): CUDA's caching allocator "
+                    f"may hand it to the next allocation on the {on.name} stream"
+                )
+
     def check_unused(self, t: torch.Tensor, what: str) -> None:
         """``t`` is about to be freed: every access to it (the peers' too) must
         be one the host has waited for."""
@@ -438,6 +508,9 @@ class _RaceCheck(TorchDispatchMode):
         if any(t is not torch.Tensor and not issubclass(t, torch.nn.Parameter) for t in types):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided:
+                self._streams.allocated(t)
         for i, name, write in _arguments(func):
             value = args[i] if i < len(args) else kwargs.get(name)
             for t in value if isinstance(value, (list, tuple)) else [value]:
@@ -500,6 +573,7 @@ def emulated_symm_mem():
         (torch.cuda, "is_current_stream_capturing", lambda: streams.capturing),
         (torch.cuda, "_sleep", lambda cycles: None),
         (backend, "static_reason", lambda t: None),  # CPU tensors welcome, here only
+        (backend, "_record_stream", streams.record_stream),
         (backend, "_comm_streams", {}),  # emulated streams, gone on exit
         (backend, "WORKSPACE_MIN_BYTES", backend.WORKSPACE_MIN_BYTES),  # a test may change it
         (backend, "_captured", {}),

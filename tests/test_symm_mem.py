@@ -94,6 +94,7 @@ def test_symm_mem_consumers_wait_for_their_chunk_on_the_current_stream(pool, con
     assert_expected_inline("\n".join(results[0]["log"]), """\
 current records e0
 comm waits current
+record_stream on comm
 comm barrier 2 timeout 20000 ms
 comm records e1
 comm records e2
@@ -168,12 +169,14 @@ def test_symm_mem_gathers_in_flight_consumed_in_any_order(pool, world):
         assert_expected_inline("\n".join(results[0]["log"]), """\
 current records e0
 comm waits current
+record_stream on comm
 host waits comm
 comm barrier 2 timeout 20000 ms
 comm records e1
 comm barrier 2 timeout 20000 ms
 current records e2
 comm waits current
+record_stream on comm
 host waits comm
 comm barrier 2 timeout 20000 ms
 comm records e3
@@ -334,6 +337,53 @@ def test_symm_mem_emulation_catches_a_workspace_freed_in_use(pool):
     message, other = pool.run(with_cpu_symm_mem, 2, _unsynchronized_growth_worker)
     assert message == other
     assert_expected_inline(message, """the workspace of group '2' is freed while aten.copy_.default on the comm stream may still write it: the host never waited for that stream""")
+
+
+def test_symm_mem_emulation_catches_memory_freed_while_another_stream_uses_it():
+    """Note [Freed on one stream, used on another] in symm_mem_emulation.py:
+    CUDA's caching allocator hands a freed block to the next allocation on
+    the stream it was allocated on at once, unless that stream waited for the
+    other streams that used it, or record_stream named them."""
+
+    def free_while_written_on(comm_stream, make_safe):
+        t = torch.empty(16)  # allocated on the current stream
+        comm_stream.wait_stream(torch.cuda.current_stream())
+        with comm_stream:
+            t.fill_(1.0)
+        make_safe(t)
+        del t
+        torch.empty(16)  # the next allocation: where CUDA would lend t's memory
+
+    with emulated_symm_mem() as streams:
+        comm = torch.cuda.Stream()
+        with pytest.raises(AssertionError) as freed:
+            free_while_written_on(comm, lambda t: None)
+        free_while_written_on(comm, lambda t: streams.record_stream(t, comm))
+        free_while_written_on(comm, lambda t: torch.cuda.current_stream().wait_stream(comm))
+    assert_expected_inline(str(freed.value), """freed while in use: the program freed memory allocated on the current stream that aten.fill_.Scalar on the comm stream may still write, with no wait on the current stream and no record_stream(comm): CUDA's caching allocator may hand it to the next allocation on the current stream""")
+
+
+def _gather_freed_unconsumed_worker(rank, group, recorded):
+    """A gather's output freed before it is consumed (an exception between
+    its start and its reader): its pulls on the comm stream may still write
+    it, which the symm_mem backend tells the caching allocator with
+    record_stream; ``recorded=False`` runs it as if it did not."""
+    with emulated_symm_mem():
+        if not recorded:
+            symm_mem._record_stream = lambda t, stream: None  # NB: the emulation puts its own back on exit
+        handle = SymmMemBackend().start_all_gather(_shards(group.size(), (2, 8), 0)[rank], torch.empty(4, 8), group)
+        del handle
+        try:
+            torch.empty(4, 8)
+        except AssertionError as e:
+            return str(e)
+    return None
+
+
+def test_symm_mem_gather_output_freed_unconsumed_is_recorded_on_the_comm_stream(pool):
+    assert pool.run(_gather_freed_unconsumed_worker, 2, True) == [None, None]
+    for message in pool.run(_gather_freed_unconsumed_worker, 2, False):
+        assert message is not None and message.startswith("freed while in use: ") and "on the comm stream" in message, message
 
 
 def _unclosed_gather_worker(rank, group):

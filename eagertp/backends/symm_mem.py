@@ -448,11 +448,10 @@ def _start_gather(shard: torch.Tensor, ag_out: torch.Tensor, group: dist.Process
         return SymmMemGather(chunks, [(rank, own), *((src, None) for src in pull_order)])
     comm = _comm_stream(group, shard.device)
     comm.wait_stream(current)
-    if ag_out.is_cuda:
-        # NB: written on the comm stream. Should ag_out be freed before it is
-        # consumed (an exception in between), the caching allocator must not
-        # lend its memory to the current stream while the pulls still write it.
-        ag_out.record_stream(comm)
+    # NB: written on the comm stream. Should ag_out be freed before it is
+    # consumed (an exception in between), the caching allocator must not lend
+    # its memory to the current stream while the pulls still write it.
+    _record_stream(ag_out, comm)
     workspace = _workspace(group, shard.numel() * shard.element_size(), comm)
 
     def buffer(peer: int) -> torch.Tensor:  # rank peer's shard in its workspace
@@ -507,6 +506,13 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager:
     device 0 (its rendezvous then fails, or its barriers run on another
     device's stream). The collective's own tensors say which device is meant."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _record_stream(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """``t.record_stream(stream)``: a function of its own, which the CPU
+    emulation in tests/ replaces to check what the caching allocator would."""
+    if t.is_cuda:
+        t.record_stream(stream)
 
 
 def _recorded_on(stream: torch.cuda.Stream) -> torch.cuda.Event:
