@@ -549,12 +549,12 @@ def _transport_ends_worker(rank, group):
     name = mine.group_name
     with EagerMicroPipeline(backend="ring"):
         y = all_gather(integer_tensor((4, 8), torch.float32, rank), mine) @ torch.ones(8, 2)
-    made = name in ring._transports and ring._transports[name][1].own is not None
+    made = (name, True) in ring._transports and ring._transports[name, True][1].own is not None
     with_transport = gloo_threads()
     dist.destroy_process_group(mine)
     del mine
     gc.collect()
-    return {"made": made, "gone": name not in ring._transports, "threads": (before, with_transport, gloo_threads()),
+    return {"made": made, "gone": (name, True) not in ring._transports, "threads": (before, with_transport, gloo_threads()),
             "sum": float(y.sum())}
 
 

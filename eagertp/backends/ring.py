@@ -844,8 +844,9 @@ class Transport:
             self.own = None
 
 
-# group name -> (a reference to the group, its transport), one per live group.
-_transports: dict[str, tuple[weakref.ref, Transport]] = {}
+# (group name, on CPU?) -> (a reference to the group, its transport), one per
+# live group and kind of device (a "cpu:gloo,cuda:nccl" group has both).
+_transports: dict[tuple[str, bool], tuple[weakref.ref, Transport]] = {}
 # group name -> transports made for groups of that name: the key prefix of the
 # next, the same on every rank (groups are made, and rings run, in program order).
 _transports_made: collections.Counter[str] = collections.Counter()
@@ -855,26 +856,26 @@ def transport_of(group: dist.ProcessGroup, device: torch.device, what: Text) -> 
     """The group's transport, made on first use (collectively: every rank of
     the group calls this at the same point, Note [eagertp's own connections]),
     by ``what`` (the collective, for the error if a peer never comes)."""
-    name = group.group_name
-    entry = _transports.get(name)
+    key = (group.group_name, device.type == "cpu")
+    entry = _transports.get(key)
     if entry is not None and entry[0]() is group:
         return entry[1]
     if entry is not None:  # a destroyed group's name, reused
         entry[1].close()
     transport = Transport(group, _own_gloo_group(group, what) if device.type == "cpu" else None)
-    _transports[name] = (weakref.ref(group), transport)
-    weakref.finalize(group, _close_transport, name, transport)
+    _transports[key] = (weakref.ref(group), transport)
+    weakref.finalize(group, _close_transport, key, transport)
     return transport
 
 
-def _close_transport(name: str, transport: Transport) -> None:
+def _close_transport(key: tuple[str, bool], transport: Transport) -> None:
     """The user's group is gone, or the interpreter is about to finalise
     (``weakref.finalize`` runs then too, while Python still runs): so is its
     transport, its gloo threads joined."""
     transport.close()
-    entry = _transports.get(name)
+    entry = _transports.get(key)
     if entry is not None and entry[1] is transport:
-        del _transports[name]
+        del _transports[key]
 
 
 def _own_gloo_group(group: dist.ProcessGroup, what: Text) -> dist.ProcessGroup | None:
