@@ -1,26 +1,20 @@
 """A user's script that runs a block and returns normally exits cleanly: exit
 code 0 on every rank, no "terminate called" from a gloo thread at the
 interpreter's exit. Each case launches fresh rank processes
-(``tests/exit_script.py``), once by default; ``EAGERTP_EXIT_RUNS=200`` for
-the long manual check."""
+(``tests/exit_script.py``), once by default; ``EAGERTP_EXIT_RUNS=100`` for
+the long manual check (200 script runs)."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from multirank import _free_port
 
 RUNS = int(os.environ.get("EAGERTP_EXIT_RUNS", "1"))
 SCRIPT = os.path.join(os.path.dirname(__file__), "exit_script.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(world: int, destroy: bool) -> list[tuple[int, str]]:
