@@ -190,6 +190,7 @@ import math
 import sys
 import weakref
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -197,6 +198,9 @@ import torch.distributed as dist
 from eagertp._format import dtype_str, tensor_str
 from eagertp.backends.base import GatherHandle, piece_dim
 from eagertp.trace import CollectiveRecord, Lazy, Meta, Text
+
+if TYPE_CHECKING:
+    from eagertp.rowwise import RowwiseStep, WholeStep
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -234,6 +238,9 @@ class GatheredView:
     world: int
     tid: int
     cast: bool = False
+    # Made by a row-wise step from the gather's rows (Note [Row-wise ops on
+    # gathered rows] in eagertp.rowwise): written by the step, not filled.
+    derived: bool = False
     # The dim of one rank's shard (and of this view) that pieces split, and
     # the shard's size along it: the rows the pieces' ``rows`` count.
     piece_dim: int = dataclasses.field(init=False, repr=False)
@@ -274,7 +281,7 @@ class GatheredView:
 
     def data(self, piece: torch.Tensor, src: int, rows: slice) -> torch.Tensor:
         """This view's data for a piece a backend delivered (after ``fill``)."""
-        return self.piece_of(src, rows) if self.cast else piece
+        return self.piece_of(src, rows) if self.cast or self.derived else piece
 
     def rows_of(self, t: torch.Tensor, src: int, rows: slice | None = None) -> torch.Tensor:
         """The rows of ``t`` [M, X] (whose rows follow this view's) that rows
@@ -842,6 +849,13 @@ class PendingGather:
     # and the backend's views of it); None: not counted (Note [This rank's
     # chunk, unread] in eagertp.engine).
     storage_uses_at_start: int | None = None
+    # Row-wise ops on its rows, in program order, and the results of ops
+    # that reduce over them (Note [Row-wise ops on gathered rows] in
+    # eagertp.rowwise); the steps of other gathers that read its rows.
+    steps: list[RowwiseStep] = dataclasses.field(default_factory=list)
+    wholes: list[WholeStep] = dataclasses.field(default_factory=list)
+    read_by: list[RowwiseStep] = dataclasses.field(default_factory=list)
+    completed: bool = False
 
     def __post_init__(self) -> None:
         self.views.append(GatheredView(self.out, 0, self.group.size(), self.tid))
@@ -857,7 +871,8 @@ class PendingGather:
         return next((v for v in self.views if storage_key(v.tensor) == key), None)
 
     def placeholders(self) -> list[torch.Tensor]:
-        return [v.tensor for v in self.views] + [mm.out for mm in self.consumers]
+        whole = [t for w in self.wholes for t in w.placeholders()]
+        return [v.tensor for v in self.views] + [mm.out for mm in self.consumers] + whole
 
     def out_unreachable(self) -> bool:
         """True if nothing but this gather can reach ``out``'s data: no other
@@ -881,7 +896,10 @@ class PendingGather:
     def inputs(self) -> list[torch.Tensor]:
         # NB: not the shard: a write to it waits for the sends that read it
         # and leaves the gather pending (Note [Sends from the shard] in eagertp.engine).
-        return [t for mm in self.consumers for t in mm.inputs()]
+        tensors = [t for mm in self.consumers for t in mm.inputs()]
+        if self.steps or self.wholes:
+            tensors += [t for step in (*self.steps, *self.wholes) for t in step.inputs()]
+        return tensors
 
 
 Pending = PendingGather | Product
@@ -955,6 +973,39 @@ class PendingStore:
         product.epilogues.append(epilogue)
         if isinstance(epilogue.operand, torch.Tensor):
             self._inputs[storage_key(epilogue.operand)] += 1
+
+    def add_rowwise(
+        self, gather: PendingGather, step: RowwiseStep | None, views: list[GatheredView], whole: WholeStep | None
+    ) -> None:
+        """A row-wise op on ``gather``'s rows, its derived views, and its results
+        over the rows (Note [Row-wise ops on gathered rows] in eagertp.rowwise)."""
+        for view in views:
+            self.add_gathered_view(gather, view)
+        added = []
+        if step is not None:
+            gather.steps.append(step)
+            added += step.inputs()
+            for op in step.operands:
+                if op.other is not None:
+                    op.other.read_by.append(step)
+        if whole is not None:
+            gather.wholes.append(whole)
+            added += whole.inputs()
+            for t in whole.placeholders():
+                self._owner[storage_key(t)] = gather
+        for t in added:
+            self._inputs[storage_key(t)] += 1
+
+    def remove_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
+        """Unbind ``mm`` from ``gather`` (``add_consumer`` undone)."""
+        gather.consumers.remove(mm)
+        del self._owner[storage_key(mm.out)]
+        inputs = self._inputs
+        for t in mm.inputs():
+            key = storage_key(t)
+            inputs[key] -= 1
+            if not inputs[key]:
+                del inputs[key]
 
     def add_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
         gather.consumers.append(mm)
@@ -1030,6 +1081,7 @@ class PendingStore:
         if not isinstance(item, PendingGather):
             return item.tid  # its output and its scatter views share its id
         named = [(v.tensor, v.tid) for v in item.views] + [(mm.out, mm.tid) for mm in item.consumers]
+        named += [(t, w.tid) for w in item.wholes for t in w.placeholders()]
         return next(tid for tensor, tid in named if storage_key(tensor) == key)
 
     def touched(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from eagertp._format import dtype_str, group_str, tensor_str
+from eagertp import rowwise
 from eagertp.backends import Backend, BackendChoice
 from eagertp.backends.base import all_gather_consume
 from eagertp.backends.reference import ReferenceBackend
@@ -160,7 +161,12 @@ class Engine:
             if func.namespace not in COLLECTIVE_NAMESPACES and _is_composite(func):
                 if self.store.touched(tensor_leaves(args, kwargs)) is not None:
                     return self.decompose(func, args, kwargs)
-            self.complete_for(func, args, kwargs)
+            why = None
+            if func._op in rowwise.ANY_RULE:
+                result, why = rowwise.defer(self, func, args, kwargs)
+                if why is None and result is not None:
+                    return result
+            self.complete_for(func, args, kwargs, why)
         return func(*args, **kwargs)
 
     def decompose(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -179,10 +185,14 @@ class Engine:
             return func(*args, **kwargs)
         return result
 
-    def complete_for(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    def complete_for(
+        self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, not_rowwise: str | None = None
+    ) -> None:
         """Complete what ``func`` needs: the pending items it reads (a view op
         reads nothing), or everything if it writes an input of pending work;
-        first, if it writes the shard of gathers in flight, their sends."""
+        first, if it writes the shard of gathers in flight, their sends.
+        ``not_rowwise``: why the op, in the table of row-wise ops, does not
+        run on the rows it reads (the reason says so)."""
         written = written_tensors(func, args, kwargs)
         if written:
             # NB: the owners of what it writes are among what it reads, below.
@@ -190,7 +200,8 @@ class Engine:
         tensors = tensor_leaves(args, kwargs)
         first = self.store.touched(tensors)
         if first is not None and not _is_metadata_only(func):
-            self.complete_owners(tensors, func, first=first)
+            why = None if not_rowwise is None else f"read ${self.store.tid_of(first)}, not row by row: {not_rowwise}"
+            self.complete_owners(tensors, func, why, first=first)
 
     # Note [Every write is seen]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -432,14 +443,24 @@ class Engine:
             plan.scales = []
         if plan.fused:
             self.count_matmul_work(len(gather.consumers))
-        # Note [This rank's chunk, unread]
-        own_chunk_unread = not (whole or self.verify or gather.scale_of) and gather.out_unreachable()
+        # Note [This rank's chunk, unread]: not where other gathers' row-wise
+        # steps, or results over the rows, read it after the consumers.
+        own_chunk_unread = (
+            not (whole or self.verify or gather.scale_of or gather.read_by or gather.wholes)
+            and gather.out_unreachable()
+        )
         try:
             with profiler_range(f"eagertp::{plan.name}"):
                 plan.run(whole=whole, own_chunk_unread=own_chunk_unread)
         except BaseException:
+            gather.completed = True
             self._complete_scales(plan.scales, reason)
             raise
+        gather.completed = True
+        for step in gather.wholes:  # Note [Row-wise ops on gathered rows] in eagertp.rowwise
+            step.run()
+        if gather.steps or gather.wholes:
+            self.stats["rowwise_ops"] += len(gather.steps) + len(gather.wholes)
         self._account_gather(gather, plan, reason)
         self._complete_scales(plan.scales, reason)
         if self.verify:  # NB: after the scales: plain eager's matmuls read them whole
@@ -460,6 +481,8 @@ class Engine:
             if plan.fused:
                 self._count_fused(gather, plan)
                 gather.record.then_fused_with = plan.fused_with()
+            elif gather.read_by:  # its rows read chunk by chunk by another gather's steps
+                gather.record.then_fused_with = [step.describe() for step in gather.read_by]
             self.trace.event(*plan.trace_event(gather.backend))
             return
         if gather.scale_of:
@@ -499,6 +522,7 @@ class Engine:
         (Note [Matmul + all-gather] in eagertp.collectives.all_gather)."""
         product = None
         if self.store.items and self.store.touched([shard]) is not None:
+            self._unbind_consumer(shard)
             product = gathered_product(self.store.standalone_output(shard), shard)
             if product is None:
                 self.complete_owners([shard], "all_gather_into_tensor")
@@ -534,6 +558,37 @@ class Engine:
             gather.storage_uses_at_start = storage_uses(out)  # Note [This rank's chunk, unread]
         self.add_gather(gather)
         return out
+
+    def _unbind_consumer(self, shard: torch.Tensor) -> None:
+        """If ``shard``, an all-gather's input, is the whole output of a matmul
+        bound to another gather in flight (as A rows), take the matmul out of
+        that gather and complete the gather: the matmul, now a standalone
+        product of the completed tensor, is made as its own gather sends it
+        (Note [Matmul + all-gather] in eagertp.collectives.all_gather), as
+        before it bound. A column-parallel matmul after a norm run row by row
+        (Note [Row-wise ops on gathered rows] in eagertp.rowwise) whose output
+        is gathered (HF's ``colwise_rep`` and ``colwise_gather_output``)."""
+        gather = self.store.owner(shard)
+        if not isinstance(gather, PendingGather):
+            return
+        key = storage_key(shard)
+        mm = next((mm for mm in gather.consumers if storage_key(mm.out) == key), None)
+        if (
+            mm is None
+            or mm.operand is not Operand.ROWS
+            or mm.scale_gather is not None
+            or not shard.is_contiguous()
+            or shard.storage_offset() != mm.out.storage_offset()
+            or shard.numel() != mm.out.numel()
+        ):
+            return
+        self.store.remove_consumer(gather, mm)
+        view = mm.view
+        mm.a = view.tensor.view(mm.gathered_dtype or view.tensor.dtype).reshape(mm.out.shape[0], -1)
+        mm.operand, mm.view, mm.gathered_dtype = None, None, None
+        self.complete_owners([mm.a], "all_gather_into_tensor", f"read ${view.tid}: ${mm.tid}, made as it is sent")
+        self.store.add_product(mm)
+        self.trace.event("${}: {} is made as its output is gathered", mm.tid, mm.describe())
 
     def _produce_gather(self, gather: PendingGather, product: Product, backend: Backend) -> None:
         """Start ``gather`` with its shard made by ``product`` as it is sent
@@ -695,13 +750,15 @@ class Engine:
             )
         if g.dtype != view.tensor.dtype and operand is not Operand.ROWS:
             return None, None, None, None, f"reads the gathered {tensor_str(view.tensor)} as {g.dtype} in a contraction"
-        scale_gather = None
+        scale_gather, own_scale = None, False
         if scaled is not None and self.store.touched([scaled.scale_a]) is not None:
-            scale_gather, why_not = self._match_scale_gather(gather, view, a, scaled.scale_a)
-            if why_not is not None:
-                return None, None, None, None, why_not
+            own_scale = _rows_of_own_gather(gather, view, a, scaled.scale_a)
+            if not own_scale:
+                scale_gather, why_not = self._match_scale_gather(gather, view, a, scaled.scale_a)
+                if why_not is not None:
+                    return None, None, None, None, why_not
         others = [t for t in (a, b, bias, *([] if scaled is None else scaled.tensors())) if t is not None and t is not g]
-        if scale_gather is not None:
+        if scale_gather is not None or own_scale:
             others = [t for t in others if t is not scaled.scale_a]
         if self.store.touched(others) is not None:
             return None, None, None, None, "has a second pending operand"
@@ -908,6 +965,27 @@ class _IssuingWork:
             self.engine.issuing = self.was_issuing
 
 
+def _rows_of_own_gather(gather: PendingGather, view: GatheredView, a: torch.Tensor, scale_a: torch.Tensor) -> bool:
+    """True if a scaled matmul on rows ``a`` of ``view`` takes its row-wise
+    ``scale_a`` [M, 1] from a derived view of the same gather, with the same
+    rows: float8's row-wise quantization of the gathered rows, whose steps
+    make each chunk's scales before the matmul reads them (Note [Row-wise ops
+    on gathered rows] in eagertp.rowwise); ``PendingMatmul.compute`` selects
+    them with A's rows."""
+    found = gather.view_of(scale_a)
+    return (
+        found is not None
+        and found.derived
+        and found.dim == view.dim
+        and found.tensor.shape[:-1] == view.tensor.shape[:-1]
+        and scale_a.shape == (a.shape[0], 1)
+        and a.shape[0] == math.prod(view.tensor.shape[:-1])
+        and scale_a.is_contiguous()
+        and scale_a.storage_offset() == found.tensor.storage_offset()
+        and scale_a.numel() == found.tensor.numel()
+    )
+
+
 def _reading(item: Pending, keys: set[int]) -> list[int]:
     """The trace ids of the matmuls of ``item`` (a gather's consumers) that read
     any of the storages ``keys``."""
@@ -932,9 +1010,15 @@ def profiler_range(name: str) -> contextlib.AbstractContextManager:
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
-# Ops that stay pending: their outputs share the placeholder's storage and read
-# no data. Every other view op qualifies too (see _is_metadata_only).
-_PENDING_PASSTHROUGH = frozenset({torch.ops.aten._unsafe_view.default})
+# Ops that read no data of a pending tensor: views (their outputs share the
+# placeholder's storage and stay pending; every other view op qualifies too,
+# see _is_metadata_only) and factories that take only its shape, dtype and
+# device (autograd's AccumulateGrad makes a gradient's buffer so).
+_aten = torch.ops.aten
+_PENDING_PASSTHROUGH = frozenset({
+    _aten._unsafe_view.default, _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_like.default,
+    _aten.new_zeros.default, _aten.zeros_like.default,
+})
 
 
 @functools.cache  # NB: asked for every op that touches pending work

@@ -150,7 +150,8 @@ def _to_copy(engine: Engine, func, args, kwargs):
         (t,) = args
         if _only_changes_dtype(t, kwargs):
             found = engine.store.gathered_view_of(t)
-            if found is not None and same_views([t], [found[1].tensor]):
+            # NB: a derived tensor's cast is a row-wise step (Note [Row-wise ops on gathered rows]).
+            if found is not None and not found[1].derived and same_views([t], [found[1].tensor]):
                 return engine.defer_cast(*found, dtype)
             product = engine.store.standalone_output(t)  # only whole outputs
             if product is not None and product[1] is None:

@@ -25,7 +25,7 @@ from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import (
     GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView, all_rows,
 )
-from eagertp.trace import CollectiveRecord, Meta
+from eagertp.trace import CollectiveRecord, Meta, Reason, Text
 
 aten = torch.ops.aten
 
@@ -97,8 +97,15 @@ class AllGatherMatmulPlan:
         """A tensor of the collective (its device picks the backend)."""
         return self.gather.shard
 
-    def fused_with(self) -> list[str]:
-        return [mm.describe() for mm in self.gather.consumers]
+    def fused_with(self) -> list[Text]:
+        consumers: list[Text] = [mm.describe() for mm in self.gather.consumers]
+        g = self.gather
+        if consumers and (g.steps or g.wholes):  # Note [Row-wise ops on gathered rows] in eagertp.rowwise
+            parts = [f"{', '.join(step.name for step in g.steps)} (row by row)"] if g.steps else []
+            if g.wholes:
+                parts.append(f"{', '.join(step.name for step in g.wholes)} (over the rows, once landed)")
+            consumers[0] = Reason("{} -> {}", "; ".join(parts), consumers[0])
+        return consumers
 
     def scale_of(self) -> list[str]:
         """The fused matmuls whose row-wise ``scale_a`` this gather is."""
@@ -123,7 +130,7 @@ class AllGatherMatmulPlan:
         if self.whole:
             handle.consume(None)
             g = self.gather
-            self._compute_whole(g.out, [v.tensor for v in g.views[1:]], [mm.out for mm in g.consumers])
+            self._compute_whole(g.out, [v.tensor for v in g.views[1:]], [mm.out for mm in g.consumers], _landed)
         else:
             handle.consume(self.consumer(), own_chunk_unread=own_chunk_unread)
 
@@ -156,7 +163,14 @@ class AllGatherMatmulPlan:
         # plain eager's cat would do, overlapped with the transfers), unless the
         # program can no longer see them (a cat that only fed the matmuls). Cast
         # views hold the data their consumers read; verify checks every view.
-        steps = [view.fill for view in g.views[1:] if view.cast or g.reference is not None or view.observed()]
+        steps = [
+            view.fill
+            for view in g.views[1:]
+            if not view.derived and (view.cast or g.reference is not None or view.observed())
+        ]
+        # Row-wise ops on the rows, in program order, before the matmuls that
+        # read their results (Note [Row-wise ops on gathered rows] in eagertp.rowwise).
+        steps += [step.run for step in g.steps]
         whole = g.out.view(g.group.size(), *g.shard.shape)  # whole[i]: rank i's shard, once arrived
         steps += [_chunk_step(mm, whole, self._scale_rows(mm)) for mm in g.consumers]
         if not steps:
@@ -206,17 +220,31 @@ class AllGatherMatmulPlan:
         g = self.gather
         views = [torch.empty_like(v.tensor) for v in g.views[1:]]
         results = [torch.empty_like(mm.out) for mm in g.consumers]
-        self._compute_whole(ag, views, results)
+        self._compute_whole(ag, views, results, _reference)
         return [ag, *views], results
 
-    def _compute_whole(self, ag: torch.Tensor, views: list[torch.Tensor], results: list[torch.Tensor]) -> None:
+    def _compute_whole(
+        self,
+        ag: torch.Tensor,
+        views: list[torch.Tensor],
+        results: list[torch.Tensor],
+        other: Callable[[PendingGather], torch.Tensor],
+    ) -> None:
         """Plain eager from the whole gathered tensor ``ag``: each view but the
-        first (the gather itself) into ``views``, each consumer into ``results``."""
+        first (the gather itself) into ``views`` (derived views by the row-wise
+        steps, which read another gather's whole tensor as ``other`` gives it),
+        each consumer into ``results``."""
         g = self.gather
         data = {id(g.views[0]): ag}
         for v, target in zip(g.views[1:], views):
-            target.copy_(torch.cat(ag.chunk(v.world), v.dim) if v.dim else ag)  # NB: copy_ casts
+            if not v.derived:
+                target.copy_(torch.cat(ag.chunk(v.world), v.dim) if v.dim else ag)  # NB: copy_ casts
             data[id(v)] = target
+        for step in g.steps:
+            for op in step.operands:
+                if op.other is not None and id(op.other) not in data:
+                    data[id(op.other)] = other(op.other)
+            step.run_whole(data)
         for mm, target in zip(g.consumers, results):
             a, b = _whole_operands(mm, data[id(mm.view)])
             mm.compute(a, b, target)
@@ -375,6 +403,21 @@ Plan = AllGatherMatmulPlan | ReduceScatterPlan
 
 # scale_rows(src, rows): the scale_a rows [r, 1] of rows ``rows`` of rank src's shard.
 ScaleRows = Callable[[int, slice], torch.Tensor]
+
+
+def _landed(gather: PendingGather) -> torch.Tensor:
+    """``gather``'s whole tensor, once every chunk has landed: another gather
+    that a row-wise step reads (Note [Row-wise ops on gathered rows] in
+    eagertp.rowwise), waited for chunk by chunk and left in flight."""
+    if not gather.completed:
+        for src in range(gather.group.size()):
+            gather.handle.wait_chunk(src)
+    return gather.out
+
+
+def _reference(gather: PendingGather) -> torch.Tensor:
+    assert gather.reference is not None, "verify=True gathers plain eager's result when the gather starts"
+    return gather.reference
 
 
 def _render_gather_plan(

@@ -220,7 +220,14 @@ def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(hf_reports)
         assert r["eager_collectives"] == {"all_reduce": 16, "all_gather_into_tensor": 1}, r
         # Every matmul all-reduce fused; the other two unfused, each with its
         # reason, on the ring too (a peer could have fused its own: Invariant 2).
-        assert r["stats"] == {"matmul_all_reduce": 15, "unfused_all_reduce": 1, "unfused_all_gather": 1}, r
+        # The norms between them run row by row on the all-reduces' gather
+        # halves, and the next layer's matmuls bind through them: forward,
+        # the embedding's and each layer's (4 of 5; the last feeds lm_head,
+        # whose output is gathered, made as it is sent); backward, each
+        # layer's norms' backward (4) (Note [Row-wise ops on gathered rows]).
+        assert r["stats"] == {
+            "matmul_all_reduce": 15, "unfused_all_reduce": 1, "unfused_all_gather": 1, "rowwise_ops": 99, "all_gather_matmul": 8, "fused_matmuls": 16,
+        }, r
         lines = r["explain"].splitlines()
         assert sum("fused with mm" in line for line in lines) == 15, r["explain"]
         unfused = [line for line in lines if "fused with" not in line]
@@ -239,10 +246,11 @@ def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(hf_reports)
 # whole by the sampler) and Phi-3's gathers of its packed qkv and gate_up
 # products (at these sizes each shard travels in one piece: made first).
 _GENERATE_STATS = {
-    "llama": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4},
-    "qwen3": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4},
-    "mixtral": {"matmul_all_reduce": 8, "unfused_all_reduce": 12, "unfused_all_gather": 4},
-    "phi3": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 20},
+    "llama": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4, "rowwise_ops": 136, "all_gather_matmul": 16, "fused_matmuls": 32},
+    "qwen3": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4, "rowwise_ops": 136, "all_gather_matmul": 16, "fused_matmuls": 16},
+    "mixtral": {"matmul_all_reduce": 8, "unfused_all_reduce": 12, "unfused_all_gather": 4, "rowwise_ops": 136, "all_gather_matmul": 16, "fused_matmuls": 32},
+    # Its packed qkv and gate_up products are gathered: made as they are sent, not bound.
+    "phi3": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 20, "rowwise_ops": 152},
 }
 
 
@@ -282,7 +290,7 @@ def test_hf_fsdp_and_tp_fuses_the_tp_all_reduces(hf_reports):
         _check_common([r], "llama")
         assert r["stats"] == {
             "matmul_all_reduce": 15, "unfused_all_reduce": 1,
-            "unfused_all_gather": 5, "overlapped_all_gather": 3, "unfused_reduce_scatter": 4,
+            "unfused_all_gather": 5, "overlapped_all_gather": 3, "unfused_reduce_scatter": 4, "rowwise_ops": 99, "all_gather_matmul": 6, "fused_matmuls": 12,
         }, r
         eager = r["eager_collectives"]
         assert eager["all_reduce"] == 16, eager  # TP's 15 + the embedding's
@@ -292,8 +300,10 @@ def test_hf_fsdp_and_tp_fuses_the_tp_all_reduces(hf_reports):
         assert len(fsdp_reads) == 7 and all(line.startswith("all_gather") for line in fsdp_reads), r["explain"]
 
 
-@pytest.mark.parametrize("reentrant, fused", [(False, 17), (True, 19)], ids=["non_reentrant", "reentrant"])
-def test_hf_gradient_checkpointing_fuses_recomputed_all_reduces(hf_reports, reentrant, fused):
+@pytest.mark.parametrize(
+    "reentrant, fused, rowwise", [(False, 17, 113), (True, 19, 115)], ids=["non_reentrant", "reentrant"]
+)
+def test_hf_gradient_checkpointing_fuses_recomputed_all_reduces(hf_reports, reentrant, fused, rowwise):
     """HF's own ``gradient_checkpointing_enable()`` on the TP model: each
     decoder layer's forward runs again in backward, and its all-reduces (o_proj,
     down_proj) fuse again: reentrant, 4 more than the 15 of a step (its first
@@ -304,7 +314,10 @@ def test_hf_gradient_checkpointing_fuses_recomputed_all_reduces(hf_reports, reen
     results = hf_reports[f"llama checkpointed reentrant={reentrant}"]
     _check_common(results, "llama")
     for r in results:
-        assert r["stats"] == {"matmul_all_reduce": fused, "unfused_all_reduce": 1, "unfused_all_gather": 1}, r
+        assert r["stats"] == {
+            "matmul_all_reduce": fused, "unfused_all_reduce": 1, "unfused_all_gather": 1,
+            "rowwise_ops": rowwise, "all_gather_matmul": 10, "fused_matmuls": 18,
+        }, r
         eager = r["eager_collectives"]
         assert eager["all_reduce"] + eager.get("allreduce_", 0) == fused + 1, r
         assert eager.get("allreduce_", 0) == (4 if reentrant else 0), r
@@ -320,7 +333,7 @@ _OTHER_PLANS = {
     # they are issued as the program wrote them.
     "qwen3": (
         {"all_reduce": 16, "allreduce_": 4, "all_gather_into_tensor": 1},
-        {"matmul_all_reduce": 15, "unfused_all_reduce": 5, "unfused_all_gather": 1},
+        {"matmul_all_reduce": 15, "unfused_all_reduce": 5, "unfused_all_gather": 1, "rowwise_ops": 99, "all_gather_matmul": 8, "fused_matmuls": 12},
         {"allreduce_": 4},
         [(4, "not fused: f32[128] is one row (all dims but the last), which does not split over 4 ranks"),
          (1, "not fused [ring]: its input is not the pending output of a matmul"),
@@ -332,7 +345,7 @@ _OTHER_PLANS = {
     # embedding are not matmul outputs: on the ring, unfused, with the reason.
     "mixtral": (
         {"all_reduce": 10, "allreduce_": 6, "all_gather_into_tensor": 1},
-        {"matmul_all_reduce": 9, "unfused_all_reduce": 7, "unfused_all_gather": 1},
+        {"matmul_all_reduce": 9, "unfused_all_reduce": 7, "unfused_all_gather": 1, "rowwise_ops": 109, "all_gather_matmul": 6, "fused_matmuls": 12},
         {},
         [(7, "not fused [ring]: its input is not the pending output of a matmul"),
          (1, "not fused [ring]: no matmul consumed it before aten._log_softmax.default")],
@@ -346,7 +359,7 @@ _OTHER_PLANS = {
     # test_hf_gathers_of_matmul_outputs_made_as_they_are_sent.
     "phi3": (
         {"all_reduce": 10, "all_gather_into_tensor": 9},
-        {"matmul_all_reduce": 9, "unfused_all_reduce": 1, "unfused_all_gather": 9},
+        {"matmul_all_reduce": 9, "unfused_all_reduce": 1, "unfused_all_gather": 9, "rowwise_ops": 93, "all_gather_matmul": 4, "fused_matmuls": 4},
         {},
         [(1, "not fused [ring]: its input is not the pending output of a matmul"),
          (9, "not fused [ring]: no matmul consumed it before ")],
@@ -378,12 +391,12 @@ def test_hf_transformers_tp_plans_of_other_families(hf_reports, family):
 _GATHERS_IN_PIECES = {
     # Llama's "colwise_rep" lm_head: the logits gathered along the vocabulary
     # (Qwen3 and Mixtral too, their all-reduces in pieces as well).
-    "llama": ({"matmul_all_gather": 1, "matmul_all_reduce": 15, "unfused_all_reduce": 1}, 1),
-    "qwen3": ({"matmul_all_gather": 1, "matmul_all_reduce": 15, "unfused_all_reduce": 5}, 1),
-    "mixtral": ({"matmul_all_gather": 1, "matmul_all_reduce": 9, "unfused_all_reduce": 7}, 1),
+    "llama": ({"matmul_all_gather": 1, "matmul_all_reduce": 15, "unfused_all_reduce": 1, "rowwise_ops": 99, "all_gather_matmul": 8, "fused_matmuls": 16}, 1),
+    "qwen3": ({"matmul_all_gather": 1, "matmul_all_reduce": 15, "unfused_all_reduce": 5, "rowwise_ops": 99, "all_gather_matmul": 8, "fused_matmuls": 12}, 1),
+    "mixtral": ({"matmul_all_gather": 1, "matmul_all_reduce": 9, "unfused_all_reduce": 7, "rowwise_ops": 109, "all_gather_matmul": 6, "fused_matmuls": 12}, 1),
     # Phi-3's "colwise_gather_output": qkv and gate_up products forward, the
     # "rowwise_split_input" gradients backward, and lm_head's logits.
-    "phi3": ({"matmul_all_gather": 9, "matmul_all_reduce": 9, "unfused_all_reduce": 1}, 9),
+    "phi3": ({"matmul_all_gather": 9, "matmul_all_reduce": 9, "unfused_all_reduce": 1, "rowwise_ops": 93, "all_gather_matmul": 4, "fused_matmuls": 4}, 9),
 }
 
 

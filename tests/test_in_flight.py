@@ -75,10 +75,10 @@ def _prefetch(rank, group, consumer: bool, landed: str = "any"):
                 assert time.monotonic() < deadline, "the watched gather never said it landed"
                 time.sleep(0.001)
         landed_before_read = handle.landed()
-        y = ag @ w if consumer else ag * 2
+        y = ag @ w if consumer else ag.cumsum(0)  # cumsum mixes rows: it reads the gather whole
         results = (z.clone(), y.clone())  # reads: z first, then the gather
         in_block = pipe.explain()
-    expected = (a @ b, gathered @ w if consumer else gathered * 2)
+    expected = (a @ b, gathered @ w if consumer else gathered.cumsum(0))
     return {
         "trace": pipe.debug_string().splitlines()[-1],
         "ok": [torch.equal(g, e) for g, e in zip(results, expected)],
@@ -137,8 +137,8 @@ def test_gather_without_consumer_that_overlapped_a_matmul_is_not_counted_unfused
         assert r["plain_all_gathers"] == 0, r
     from expecttest import assert_expected_inline
 
-    assert_expected_inline(results[0]["explain"], """all_gather #0 f32[8, 16] -> f32[16, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.mul.Tensor read $0; 1 matmul ran while it was in flight""")
-    assert_expected_inline(results[0]["in_block"], """all_gather #0 f32[8, 16] -> f32[16, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.mul.Tensor read $0; 1 matmul ran while it was in flight""")
+    assert_expected_inline(results[0]["explain"], """all_gather #0 f32[8, 16] -> f32[16, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.cumsum.default read $0; 1 matmul ran while it was in flight""")
+    assert_expected_inline(results[0]["in_block"], """all_gather #0 f32[8, 16] -> f32[16, 16] on group '2' (2 ranks): not fused [ring]: no matmul consumed it before aten.cumsum.default read $0; 1 matmul ran while it was in flight""")
 
 
 def _earlier_product_worker(rank, group, backend_name):
@@ -153,7 +153,7 @@ def _earlier_product_worker(rank, group, backend_name):
 
     def program():
         z = a @ b
-        y = all_reduce(h @ w, group) + 1  # reads the all-reduced tensor at once
+        y = all_reduce(h @ w, group) + 1  # row by row: y @ v binds through it
         return z, (y @ v).clone()  # reads y @ v (only), inside the block
 
     expected = program()
@@ -167,12 +167,12 @@ def _earlier_product_worker(rank, group, backend_name):
 def test_products_pending_from_before_a_gather_run_while_it_is_in_flight(pool, backend):
     for r in run_on(backend, pool, _earlier_product_worker, 2, "auto"):
         assert all(r["ok"]), r
-        assert r["stats"] == {"matmul_all_reduce": 1}, r
+        assert r["stats"] == {"matmul_all_reduce": 1, "rowwise_ops": 1, "all_gather_matmul": 1, "fused_matmuls": 1}, r
         # The all-reduce's producer (h @ w, by chunk), then z = a @ b while its
-        # gather half is in flight, then (y + 1) @ v after the read. (Kept
-        # pending instead, z would be computed at the block's exit, last.)
-        assert r["matmuls"][-2:] == [(32, 24, 40), (8, 6, 4)], r["matmuls"]
-        assert all(shape[1:] == (16, 6) for shape in r["matmuls"][:-2]), r["matmuls"]
+        # gather half is in flight, then (y + 1) @ v chunk by chunk at the
+        # read. (Kept pending instead, z would be computed at the block's exit, last.)
+        assert r["matmuls"][-3:] == [(32, 24, 40), (4, 6, 4), (4, 6, 4)], r["matmuls"]
+        assert all(shape[1:] == (16, 6) for shape in r["matmuls"][:-3]), r["matmuls"]
 
 
 def _two_in_flight_worker(rank, group, read_second_first: bool):

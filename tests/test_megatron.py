@@ -26,26 +26,32 @@ _NOT_A_PRODUCT = "its input is not the pending output of a matmul"
 # written with their reasons (count, explain() line head, reason).
 _EXPECTED = {
     # Without SP the row-parallel output is all-reduced (forward), and the
-    # column-parallel input gradient (backward, async_op=True).
-    ("mlp", False): ({"matmul_all_reduce": 2}, []),
+    # column-parallel input gradient (backward, async_op=True). The test's loss
+    # reads the output after ops that run row by row on its gather half.
+    ("mlp", False): ({"matmul_all_reduce": 2, "rowwise_ops": 2}, []),
     # fc1's input gathered in forward and again in backward (into the global
     # buffer, for the weight gradient); fc2's output gradient gathered for its
     # input and weight gradients; a reduce-scatter each way.
     ("mlp", True): ({"all_gather_matmul": 3, "fused_matmuls": 4, "matmul_reduce_scatter": 2}, []),
-    ("layer", False): ({"matmul_all_reduce": 4}, []),
+    # The residual add and the pre-MLP norm run row by row on the attention
+    # all-reduce's gather half, fc1 binding through them; in backward the
+    # norm's backward and the residual's sum on fc1's input-gradient
+    # all-reduce, the attention projection's gradients binding to them.
+    ("layer", False): ({"matmul_all_reduce": 4, "rowwise_ops": 16, "all_gather_matmul": 2, "fused_matmuls": 3}, []),
     ("layer", True): ({"all_gather_matmul": 6, "fused_matmuls": 8, "matmul_reduce_scatter": 4}, []),
     # Two layers' worth, and the output layer's (column-parallel) input
     # gradient. Not matmul collectives: the vocab-parallel embedding's sum of
     # masked lookups, and the vocab-parallel cross-entropy's max and two sums.
     ("gpt", False): (
-        {"matmul_all_reduce": 9, "unfused_all_reduce": 4},
+        {"matmul_all_reduce": 9, "unfused_all_reduce": 4, "rowwise_ops": 42, "all_gather_matmul": 8,
+         "fused_matmuls": 12},
         [(1, "all_reduce(max) #0", _NOT_A_PRODUCT), (3, "all_reduce(sum) #", _NOT_A_PRODUCT)],
     ),
     # With SP the output layer's input is gathered too (fused each way), and
     # backward gathers the embedding's gradient for embedding_dense_backward.
     ("gpt", True): (
         {"all_gather_matmul": 14, "fused_matmuls": 18, "matmul_reduce_scatter": 9, "unfused_all_reduce": 4,
-         "unfused_all_gather": 1},
+         "unfused_all_gather": 1, "rowwise_ops": 2},
         [(1, "all_reduce(max) #0", _NOT_A_PRODUCT), (3, "all_reduce(sum) #", _NOT_A_PRODUCT),
          (1, "all_gather #14", "no matmul consumed it before aten.embedding_dense_backward.default")],
     ),

@@ -111,7 +111,7 @@ def _mixed_worker(rank, group):
         with EagerMicroPipeline(min_fuse_bytes=threshold) as pipe:
             g = all_gather(x, group)
             if rank == 0:
-                g = g + 0  # reads it: issued alone
+                g = g.flip(0).flip(0)  # flip mixes rows: it reads the gather, issued alone
             got = g @ w
         results.append((torch.equal(got, expected), dict(pipe.stats)))
     return results

@@ -93,6 +93,16 @@ def examples(rank, group):
 
     run("matmul_all_reduce", ar)
 
+    # 6b. TP without SP as models write it: the residual add and the norm
+    # between the all-reduce and the next matmul run row by row.
+    def ar_norm():
+        h, residual = torch.randn(16, 16), torch.randn(16, 16)
+        y = residual + _wait(funcol.all_reduce(h @ w[0], "sum", group))
+        n = torch.nn.functional.layer_norm(y, [16])
+        return n @ w[1], n @ w[2]
+
+    run("rowwise_all_reduce", ar_norm)
+
     # 7. column-parallel linear whose output is gathered (colwise_rep); a
     # 1 MiB shard, so that it travels in pieces the product can be made in.
     def mag():

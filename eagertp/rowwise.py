@@ -1,0 +1,630 @@
+"""Row-wise ops on gathered rows: what they are, and how one runs on a chunk.
+
+Note [Row-wise ops on gathered rows]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+TP without sequence parallel all-reduces a row-parallel linear's output, and
+the next column-parallel linear reads it only after the residual add and the
+norm: ``h = x + all_reduce(y); q = norm(h) @ wq``. eagertp runs the all-reduce
+as a fused reduce-scatter and an all-gather left in flight (Note [Matmul +
+all-reduce] in eagertp.collectives.all_reduce); had the add read the gathered
+tensor whole, the gather half would overlap nothing. But the add and the norm
+are *row-wise*: each output row depends only on the same rows of the inputs.
+So each runs on a chunk's rows as the chunk lands, and the matmul after them
+consumes the chunk's normed rows, as under sequence parallelism (whose norm
+runs on the shards), from the unchanged program::
+
+    program:  h = x + AR(y)       n = norm(h)        q = n @ wq   k = n @ wk   attn(q, k)
+    comm:     [RS][== AG half: chunk 0, chunk 1 ==]
+    compute:                         (derived, pending)  (bound)      [h, n, q, k rows of chunk 0][chunk 1][attn]
+
+An op whose tensors are rows of a gather in flight (its placeholder, or a
+tensor derived from it so) and which ``RULES`` below says is row-wise for
+these operands gives a *derived* placeholder (a ``GatheredView`` of the
+gather, ``derived=True``) and a ``RowwiseStep`` on the gather. When the gather
+completes, every step runs, in program order, on the rows each piece makes,
+writing the derived placeholders' rows below autograd (tensors saved for
+backward see data, as a gather's placeholder does); then the consumers bound
+to any view run. A matmul on a derived tensor binds to the gather as on the
+gathered tensor itself; any other read completes the gather, its steps and
+its consumers (Note [Deferral boundary] in eagertp.deferred).
+
+Operands of a step, each viewed as the gather's rows ``[*lead, X]`` (the
+leading dims of the view the op reads, its own last dim):
+
+- ``PIECE``: the gathered tensor itself (the gather's first view): the piece
+  the backend delivers (this rank's own chunk may never be copied into the
+  placeholder: Note [This rank's chunk, unread] in eagertp.engine);
+- ``ROWS``: another view of the gather (a derived one, a cast, a cat along a
+  dim > 0), or a tensor of the program with the same leading dims: the same
+  rows of it;
+- ``OTHER``: the placeholder of another gather in flight with the same rows
+  per rank (DTensor's backward adds q's, k's and v's all-reduced input
+  gradients before the norm's backward): chunk ``i`` waits for chunk ``i`` of
+  that gather (``GatherHandle.wait_chunk``), which stays in flight, completed
+  by its own reads;
+- ``WHOLE``: a tensor broadcast along the rows (every leading dim 1: a norm's
+  weight, a scalar), passed whole.
+
+Any other pending operand completes what owns it first (a product, a gather's
+view of another shape), and is then a tensor like any other. An op that is
+not row-wise for its operands (a reduction over another dim, an operand
+broadcast along some rows only, an output that is not rows, an in-place write
+to the gathered tensor itself or to a view a matmul already reads) completes
+the gather first, unfused, with the op named in the gather's reason.
+
+Some ops also reduce over the rows (the norm's weight and bias gradients).
+Those results are placeholders of the gather too, computed whole once every
+step and consumer has run (``WholeStep``): plain eager's op on the completed
+tensors.
+
+"Row-wise" is a promise of equal results: each row is the same computation
+on the same values whichever rows a call holds. That holds for IEEE's basic
+operations, casts, and reductions along the last dim; it does not for the
+transcendental functions (exp, tanh, erf, pow to other exponents), whose CPU
+kernels round differently in their vector and scalar loops, so that a row
+that falls on another chunk boundary could change in its last bit. They are
+not in the table. ``tests/test_rowwise.py`` runs every entry on chunks of
+random shapes and dtypes and compares bitwise with the whole op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from eagertp._format import tensor_str
+from eagertp.trace import Meta
+
+if TYPE_CHECKING:
+    from eagertp.deferred import GatheredView, PendingGather
+
+aten = torch.ops.aten
+
+
+class Kind(enum.Enum):
+    """How an operand of a row-wise step is read (Note [Row-wise ops on gathered rows])."""
+
+    PIECE = "piece"
+    ROWS = "rows"
+    OTHER = "rows of another gather"
+    WHOLE = "whole"
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class RowOperand:
+    kind: Kind
+    tensor: torch.Tensor  # ROWS / OTHER / PIECE: viewed as [*lead, X]; WHOLE: as the op reads it (leading 1s dropped)
+    view: GatheredView | None = None  # the gather's view it is (PIECE, a ROWS view of the gather)
+    other: PendingGather | None = None  # OTHER: the gather in flight it is the placeholder of
+    # The op reads the view's rows [*lead, 1] expanded to this width (a
+    # reduction's gradient: ``grad.expand(..., X)``).
+    width: int | None = None
+
+    def expanded(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.width is None else t.expand(*t.shape[:-1], self.width)
+
+
+# A rule: why the op is not row-wise for these arguments (None: it is), given
+# the positions of the tensor arguments that are rows and the number of dims
+# of the rows (``ndim``). Every op in the table is elementwise, or works on the
+# last dim only, unless its check says more.
+Check = Callable[[tuple, dict, int], "str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    check: Check | None = None
+    in_place: bool = False  # writes its first argument (a derived tensor)
+    # For ops that also reduce over the rows: (args of the row-wise call, args
+    # of the whole call) from the op's args; each result is made by one of
+    # them (the other call's mask leaves it out).
+    split: Callable[[tuple], tuple[tuple, tuple]] | None = None
+    row_results: tuple[int, ...] = ()  # with ``split``: the results made row by row
+    whole: bool = False  # computed whole when the gather completes (reduces over the rows)
+    rewrite_dims: bool = False  # its dims (argument 1) are the last dim: passed as [-1] to the rows
+
+
+def _last_dim_keepdim(args: tuple, kwargs: dict, ndim: int) -> str | None:
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if dims is None or [d % ndim for d in ([dims] if isinstance(dims, int) else dims)] != [ndim - 1]:
+        return f"it reduces dims {dims}, not the last dim alone"
+    if not keepdim:
+        return "it reduces the last dim without keepdim"
+    return None
+
+
+def _over_leading_dims(args: tuple, kwargs: dict, ndim: int) -> str | None:
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims is None or sorted(d % ndim for d in dims) != list(range(ndim - 1)):
+        return f"it reduces dims {dims}, not every dim but the last"
+    return None
+
+
+def _last_dim_normalized(args: tuple, kwargs: dict, ndim: int) -> str | None:
+    shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+    return None if len(shape) == 1 else f"it normalizes {len(shape)} dims, not the last dim alone"
+
+
+def _grad_last_dim_normalized(args: tuple, kwargs: dict, ndim: int) -> str | None:
+    return None if len(args[2]) == 1 else f"it normalizes {len(args[2])} dims, not the last dim alone"
+
+
+# pow's exponents whose kernels are IEEE operations (x*x, sqrt, 1/x, ...):
+# any other calls the libm or vector pow, which round differently.
+_EXACT_EXPONENTS = frozenset({0.5, 1, 2, 3, -0.5, -1, -2})
+
+
+def _exact_exponent(args: tuple, kwargs: dict, ndim: int) -> str | None:
+    if args[1] not in _EXACT_EXPONENTS:
+        return f"pow to {args[1]} is not exact per element"
+    return _single_or_double(args, kwargs, ndim) if args[1] == -0.5 else None
+
+
+def _single_or_double(args: tuple, kwargs: dict, ndim: int) -> str | None:
+    """rsqrt: exact per element in float32 and float64 only (the CPU kernels'
+    vector and scalar loops round half-precision inputs differently)."""
+    dtype = args[0].dtype
+    return None if dtype in (torch.float32, torch.float64) else f"rsqrt in {dtype} is not exact per element"
+
+
+def _only_dtype(args: tuple, kwargs: dict, ndim: int) -> str | None:
+    t = args[0]
+    if kwargs.get("layout", torch.strided) != torch.strided or torch.device(kwargs.get("device", t.device)) != t.device:
+        return "it moves the tensor"
+    if kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
+        return "it changes the memory format"
+    return None
+
+
+def _split_layer_norm_backward(args: tuple) -> tuple[tuple, tuple]:
+    mask = list(args[7])
+    return (*args[:7], [mask[0], False, False]), (*args[:7], [False, mask[1], mask[2]])
+
+
+_POINTWISE = Rule()
+
+# The table (Note [Row-wise ops on gathered rows]): ops whose every result row
+# depends only on the same rows of their row operands, and computes the same
+# bits on any set of rows.
+ROW_TABLE: dict[torch._ops.OpOverload, Rule] = {
+    **{
+        op: _POINTWISE
+        for op in (
+            aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+            aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar,
+            aten.sqrt.default, aten.reciprocal.default, aten.neg.default, aten.abs.default,
+            aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
+            aten.where.self, aten.clone.default,
+        )
+    },
+    aten.pow.Tensor_Scalar: Rule(_exact_exponent),
+    aten.rsqrt.default: Rule(_single_or_double),
+    aten._to_copy.default: Rule(_only_dtype),
+    **{
+        op: Rule(in_place=True)
+        for op in (
+            aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
+            aten.add_.Scalar, aten.sub_.Scalar, aten.mul_.Scalar, aten.div_.Scalar,
+            aten.clamp_.default, aten.clamp_min_.default, aten.clamp_max_.default,
+        )
+    },
+    **{
+        op: Rule(_last_dim_keepdim, rewrite_dims=True)
+        for op in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default)
+    },
+    aten.native_layer_norm.default: Rule(_last_dim_normalized),
+    aten.native_layer_norm_backward.default: Rule(
+        _grad_last_dim_normalized, split=_split_layer_norm_backward, row_results=(0,)
+    ),
+}
+
+# Reductions over the rows (a norm's weight gradient, written as ops):
+# computed whole when the gather completes.
+WHOLE_TABLE: dict[torch._ops.OpOverload, Rule] = {aten.sum.dim_IntList: Rule(_over_leading_dims, whole=True)}
+
+# NB: keyed by each op's C++ entry point, as eagertp.table's HANDLERS is.
+RULES = {op._op: rule for op, rule in ROW_TABLE.items()}
+WHOLE_RULES = {op._op: rule for op, rule in WHOLE_TABLE.items()}
+
+
+# Every op with a rule, for the engine's one lookup per op that reads pending work.
+ANY_RULE = frozenset(RULES) | frozenset(WHOLE_RULES) | {aten.copy_.default._op}
+
+
+class _Slot(int):
+    """Where the i-th operand goes in an op's arguments."""
+
+
+def with_slots(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """``args`` and ``kwargs`` with each tensor (top level only: the table's
+    ops take no lists of tensors) replaced by its slot, and the tensors."""
+    tensors: list[torch.Tensor] = []
+
+    def slot(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+            return _Slot(len(tensors) - 1)
+        return a
+
+    return tuple(slot(a) for a in args), {k: slot(v) for k, v in kwargs.items()}, tensors
+
+
+def fill_slots(args: tuple, kwargs: dict, values: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+    def fill(a: Any) -> Any:
+        return values[a] if type(a) is _Slot else a
+
+    return tuple(fill(a) for a in args), {k: fill(v) for k, v in kwargs.items()}
+
+
+def as_results(out: Any) -> list[torch.Tensor | None]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@dataclasses.dataclass(eq=False)
+class RowwiseStep:
+    """One row-wise op on a gather's rows, run piece by piece (Note [Row-wise
+    ops on gathered rows]). ``outputs[i]``: the derived view that result ``i``
+    of the op fills (None: not a row result). In place, the op writes its
+    first operand's rows, a derived view of the gather."""
+
+    func: torch._ops.OpOverload
+    args: tuple  # tensors as slots into ``operands``
+    kwargs: dict
+    operands: list[RowOperand]
+    outputs: list[GatheredView | None]
+    geometry: GatheredView  # whose rows the pieces' (src, rows) count
+    tid: int
+    in_place: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.func.__name__.split(".")[0]
+
+    def run(self, piece: torch.Tensor, src: int, rows: slice) -> None:
+        """The op on the rows that rows ``rows`` of rank ``src``'s shard make,
+        written into the derived placeholders (a consumer step)."""
+        geometry = self.geometry
+        values = []
+        for op in self.operands:
+            kind = op.kind
+            if kind is Kind.WHOLE:
+                values.append(op.tensor)
+            elif kind is Kind.PIECE:
+                values.append(op.expanded(piece.reshape(1, -1, op.tensor.shape[-1])))
+            else:
+                if kind is Kind.OTHER and not op.other.completed:
+                    op.other.handle.wait_chunk(src)
+                values.append(op.expanded(geometry.runs_of(op.tensor, src, rows)))
+        results = self._apply(values)
+        for view, result in zip(self.outputs, results):
+            if view is not None:
+                geometry.runs_of(view.tensor, src, rows).copy_(result)
+
+    def run_whole(self, data: dict[int, torch.Tensor]) -> None:
+        """The op on whole tensors: ``data`` maps a view's id to the tensor
+        that holds it (the placeholders once landed, or verify's plain eager
+        tensors), outputs included; an OTHER gather's id to its whole tensor."""
+        values = []
+        for op in self.operands:
+            if op.kind is Kind.WHOLE or (op.kind is Kind.ROWS and op.view is None):
+                values.append(op.tensor)
+            elif op.kind is Kind.OTHER:
+                values.append(op.expanded(data[id(op.other)].view(op.tensor.shape)))
+            else:
+                values.append(op.expanded(data[id(op.view)].view(op.tensor.shape)))
+        for view, result in zip(self.outputs, self._apply(values)):
+            if view is not None:
+                data[id(view)].view(result.shape).copy_(result)
+
+    def _apply(self, values: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        args, kwargs = fill_slots(self.args, self.kwargs, values)
+        return as_results(self.func._op(*args, **kwargs))
+
+    def describe(self) -> str:
+        """``add -> $7 (row by row)``: what explain() names."""
+        made = next((v for v in self.outputs if v is not None), None)
+        tid = made.tid if made is not None else self.operands[0].view.tid
+        return f"{self.name} -> ${tid} (row by row)"
+
+    def inputs(self) -> list[torch.Tensor]:
+        """The program's tensors it reads (a write to them completes the gather
+        first) and other gathers' placeholders."""
+        return [op.tensor for op in self.operands if op.view is None]
+
+    def trace_event(self) -> tuple:
+        operands = [
+            f"${op.view.tid}" if op.view is not None else (f"${op.other.tid}" if op.other is not None else Meta.of(op.tensor))
+            for op in self.operands
+        ]
+        outputs = [None if v is None else (v.tid, Meta.of(v.tensor)) for v in self.outputs]
+        return _render_step, self.name, operands, outputs, self.tid, self.in_place
+
+
+def _render_step(name: str, operands: list, outputs: list, tid: int, in_place: bool) -> str:
+    args = ", ".join(map(str, operands))
+    if in_place:
+        return f"{operands[0]} = {name}({args}) [row-wise, in place]"
+    made = ", ".join(f"${tid}: {meta}" for tid, meta in (o for o in outputs if o is not None))
+    return f"{made} = {name}({args}) [row-wise]"
+
+
+@dataclasses.dataclass(eq=False)
+class WholeStep:
+    """An op's results that reduce over a gather's rows (a norm's weight
+    gradient): placeholders of the gather, computed by plain eager's op on the
+    completed tensors once every step and consumer has run."""
+
+    func: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    outputs: list[torch.Tensor | None]  # placeholders, per result of the op (None: another call makes it)
+    tid: int
+    # A tensor of the program it writes (``copy_``): the gather's until then.
+    writes: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return self.func.__name__.split(".")[0]
+
+    def run(self) -> None:
+        for out, result in zip(self.outputs, as_results(self.func._op(*self.args, **self.kwargs))):
+            if out is not None:
+                out.copy_(result)
+
+    def placeholders(self) -> list[torch.Tensor]:
+        return [t for t in (*self.outputs, self.writes) if t is not None]
+
+    def inputs(self) -> list[torch.Tensor]:
+        return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, torch.Tensor)]
+
+    def trace_event(self) -> tuple:
+        return _render_whole, self.name, self.tid, [Meta.of(t) for t in self.placeholders()]
+
+
+def _render_whole(name: str, tid: int, outputs: list[Meta]) -> str:
+    return f"${tid}: {', '.join(map(str, outputs))} = {name}(...) [over the rows, when the gather completes]"
+
+
+def leading_ones(t: torch.Tensor) -> bool:
+    """True if ``t`` is broadcast along every row (0-dim, or leading dims all 1)."""
+    return math.prod(t.shape[:-1]) == 1 if t.dim() else True
+
+
+def describe_operands(tensors: Sequence[torch.Tensor]) -> str:
+    return ", ".join(tensor_str(t) for t in tensors)
+
+
+def _rows_view(t: torch.Tensor, view: GatheredView) -> bool:
+    """True if ``t`` is the whole of ``view``, seen with its rows: the same
+    data, contiguous, in its dtype and with its last dim; and the view is
+    gathered along a dim of rows (along the last dim, chunks are columns)."""
+    v = view.tensor
+    return (
+        view.dim < v.dim() - 1
+        and t.is_contiguous()
+        and t.dtype == v.dtype
+        and t.storage_offset() == v.storage_offset()
+        and t.numel() == v.numel()
+        and t.dim() > 0
+        and t.shape[-1] == v.shape[-1]
+    )
+
+
+def _rows_width(t: torch.Tensor, view: GatheredView) -> int | None:
+    """How ``t`` reads ``view`` as rows: 0 if it is the whole view seen with
+    its rows (``_rows_view``), the width if it is per-row ``[*lead, 1]`` rows
+    expanded along the last dim, None if neither."""
+    if _rows_view(t, view):
+        return 0
+    v = view.tensor
+    if view.dim >= v.dim() - 1 or v.shape[-1] != 1 or t.dim() == 0 or t.dtype != v.dtype or t.stride(-1) != 0:
+        return None
+    rows = v.view(*t.shape[:-1], 1) if math.prod(t.shape[:-1]) == v.numel() else None
+    if rows is None or t.storage_offset() != v.storage_offset() or t.stride() != rows.expand(t.shape).stride():
+        return None
+    return t.shape[-1]
+
+
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a tensor broadcast along the rows (a norm's weight: one row
+    at most), taken where the program reads it. Its value then is the
+    program's, whatever happens to it before the gather completes: FSDP2
+    frees an unsharded parameter's storage after backward (``reshard``,
+    ``storage.resize_(0)``, no op the mode sees) before it reads the
+    gradients whose completion runs the steps."""
+    return t.clone()
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def defer(engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+    """``func(*args, **kwargs)`` deferred as a row-wise step on the rows of a
+    gather in flight (Note [Row-wise ops on gathered rows]): its results,
+    placeholders the step fills. Or ``(None, why)`` if it is not one (the
+    caller completes what it reads and runs it); why is None where the op
+    reads no gathered rows at all."""
+    from eagertp.deferred import GatheredView, PendingGather
+
+    if func is aten.copy_.default:
+        done = not kwargs and len(args) == 2 and defer_copy(engine, *args)
+        return (args[0], None) if done else (None, None)
+    store = engine.store
+    primary = None
+    for t in (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
+        found = store.gathered_view_of(t)
+        if found is not None and _rows_width(t, found[1]) is not None:
+            primary = (found[0], found[1], t)
+            break
+    if primary is None:
+        return None, None
+    gather, geometry, program_rows = primary
+    ndim = program_rows.dim()
+    rule, why = _rule_for(func, args, kwargs, ndim)
+    if rule is None:
+        return None, why
+    if rule.split is not None:
+        row_args, whole_args = rule.split(args)
+    elif rule.whole:
+        row_args, whole_args = None, args
+    else:
+        row_args, whole_args = args, None
+    if rule.rewrite_dims and row_args is not None:
+        row_args = (row_args[0], [-1], *row_args[2:])
+    slotted_args, slotted_kwargs, tensors = with_slots(row_args if row_args is not None else args, kwargs)
+    lead = geometry.tensor.shape[:-1]
+    program_lead = program_rows.shape[:-1]
+    operands: list[RowOperand] = []
+    for i, t in enumerate(tensors):
+        owner = store.owner(t)
+        target = rule.in_place and i == 0
+        if owner is gather:
+            view = gather.view_of(t)
+            width = None if view is None else _rows_width(t, view)
+            if width is None or view.tensor.shape[:-1] != lead:
+                return None, f"it reads {tensor_str(t)} of the gather, not as its rows"
+            if target and (width or not view.derived):
+                return None, "it writes the gathered tensor itself in place"
+            if target and _read_whole(gather, view):
+                return None, "it writes in place rows that a matmul or a reduction over the rows already reads"
+            kind = Kind.PIECE if view is gather.views[0] else Kind.ROWS
+            operands.append(RowOperand(kind, view.tensor, view, width=width or None))
+            continue
+        if isinstance(owner, PendingGather):
+            view = owner.view_of(t)
+            if (
+                view is owner.views[0]
+                and geometry.dim == 0
+                and not target
+                and whole_args is None
+                and _rows_view(t, view)
+                and view.tensor.shape[:-1] == lead
+                and owner.group.size() == gather.group.size()
+            ):
+                operands.append(RowOperand(Kind.OTHER, view.tensor, other=owner))
+                continue
+        if owner is not None:  # a product, or another gather's tensor in another shape: made first
+            engine.complete_owners([t], func, f"read ${store.tid_of(t)} beside the rows of all_gather ${gather.tid}")
+        if target:
+            return None, "it writes a tensor that is not rows of the gather in place"
+        if leading_ones(t):
+            operands.append(RowOperand(Kind.WHOLE, _snapshot(t.reshape(t.shape[-1:]) if t.dim() else t)))
+        elif t.shape[:-1] == program_lead:
+            operands.append(RowOperand(Kind.ROWS, t.reshape(*lead, t.shape[-1])))
+        else:
+            return None, f"its operand {tensor_str(t)} is broadcast along some rows only"
+    # NB: the shapes and dtypes of the results from the meta kernels (the mode
+    # is off while it handles an op: these calls do not come back to it).
+    try:
+        row_meta: list[torch.Tensor | None] = []
+        if row_args is not None:
+            a, k = fill_slots(slotted_args, slotted_kwargs, [_meta(t) for t in tensors])
+            row_meta = as_results(func._op(*a, **k))
+        whole_meta: list[torch.Tensor | None] = []
+        if whole_args is not None:
+            whole_meta = as_results(func._op(*(_meta(a) if isinstance(a, torch.Tensor) else a for a in whole_args), **kwargs))
+    except Exception:  # noqa: BLE001 - plain eager raises its own error for these arguments
+        return None, "plain eager rejects its arguments"
+    row_results = rule.row_results or tuple(range(len(row_meta)))
+    for i in row_results if not rule.in_place else ():
+        r = row_meta[i]
+        if r is not None and (not r.is_contiguous() or r.dim() == 0 or r.shape[:-1] != program_lead):
+            return None, f"its result {tensor_str(r)} is not rows of the gather"
+    results: list[torch.Tensor | None] = [None] * max(len(row_meta), len(whole_meta))
+    views: list[GatheredView | None] = [None] * len(row_meta)
+    if not rule.in_place:
+        for i in row_results:
+            r = row_meta[i]
+            if r is None:
+                continue
+            out = engine.placeholder(program_rows, r.shape, r.dtype)
+            results[i] = out
+            views[i] = GatheredView(
+                out.view(*lead, r.shape[-1]), geometry.dim, geometry.world, store.next_tid(), derived=True
+            )
+    step = None
+    if row_args is not None and (rule.in_place or any(v is not None for v in views)):
+        step = RowwiseStep(
+            func, slotted_args, slotted_kwargs, operands, views, geometry, store.next_tid(), in_place=rule.in_place
+        )
+    whole = None
+    if whole_args is not None:
+        outputs = [
+            None if r is None or (row_args is not None and i in row_results) else engine.placeholder(program_rows, r.shape, r.dtype)
+            for i, r in enumerate(whole_meta)
+        ]
+        for i, out in enumerate(outputs):
+            if out is not None:
+                results[i] = out
+        whole_args = tuple(
+            _snapshot(a) if isinstance(a, torch.Tensor) and store.owner(a) is None and leading_ones(a) else a
+            for a in whole_args
+        )
+        whole = WholeStep(func, whole_args, kwargs, outputs, store.next_tid())
+    store.add_rowwise(gather, step, [v for v in views if v is not None], whole)
+    if step is not None:
+        engine.trace.event(*step.trace_event())
+    if whole is not None:
+        engine.trace.event(*whole.trace_event())
+    if rule.in_place:
+        return args[0], None
+    return (results[0] if len(results) == 1 else tuple(results)), None
+
+
+def _read_whole(gather: PendingGather, view: GatheredView) -> bool:
+    """True if a consumer or a reduction over the rows already reads ``view``
+    (whole, after the steps): an in-place step would change what they read."""
+    from eagertp.deferred import storage_key
+
+    key = storage_key(view.tensor)
+    return any(mm.view is view for mm in gather.consumers) or any(
+        storage_key(t) == key for w in gather.wholes for t in w.inputs()
+    )
+
+
+def _rule_for(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ndim: int) -> tuple[Rule | None, str | None]:
+    """The table's rule for this call, or None and why it is not row-wise."""
+    whys = []
+    for rule in (RULES.get(func._op), WHOLE_RULES.get(func._op)):
+        if rule is None:
+            continue
+        why = None if rule.check is None else rule.check(args, kwargs, ndim)
+        if why is None:
+            return rule, None
+        whys.append(why)
+    return None, whys[0] if whys else "it is not in eagertp's table of row-wise ops"
+
+
+def defer_copy(engine: Any, dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """``dst.copy_(src)`` of a result over a gather's rows (autograd's
+    AccumulateGrad copying a norm's weight gradient into the parameter's
+    gradient buffer): deferred as one more ``WholeStep``, ``dst`` the gather's
+    until it completes. False if that is not it."""
+    from eagertp.deferred import PendingGather, storage_key
+
+    store = engine.store
+    gather = store.owner(src)
+    if not isinstance(gather, PendingGather) or store.owner(dst) is not None or store.readers([dst]):
+        return False
+    key = storage_key(src)
+    made = [t for w in gather.wholes for t in w.outputs if t is not None and storage_key(t) == key]
+    if (
+        not made
+        or src.shape != dst.shape
+        or src.dtype != dst.dtype
+        or src.device != dst.device
+        or not src.is_contiguous()
+        or src.numel() != made[0].numel()
+    ):
+        return False
+    whole = WholeStep(aten.copy_.default, (dst, src), {}, [], store.next_tid(), writes=dst)
+    store.add_rowwise(gather, None, [], whole)
+    engine.trace.event("{} = copy_(${}) [when the gather completes]", Meta.of(dst), store.tid_of(src))
+    return True
