@@ -522,7 +522,7 @@ class Engine:
         (Note [Matmul + all-gather] in eagertp.collectives.all_gather)."""
         product = None
         if self.store.items and self.store.touched([shard]) is not None:
-            self._unbind_consumer(shard)
+            self.unbind_consumer(shard, "all_gather_into_tensor")
             product = gathered_product(self.store.standalone_output(shard), shard)
             if product is None:
                 self.complete_owners([shard], "all_gather_into_tensor")
@@ -559,15 +559,19 @@ class Engine:
         self.add_gather(gather)
         return out
 
-    def _unbind_consumer(self, shard: torch.Tensor) -> None:
-        """If ``shard``, an all-gather's input, is the whole output of a matmul
-        bound to another gather in flight (as A rows), take the matmul out of
-        that gather and complete the gather: the matmul, now a standalone
-        product of the completed tensor, is made as its own gather sends it
-        (Note [Matmul + all-gather] in eagertp.collectives.all_gather), as
-        before it bound. A column-parallel matmul after a norm run row by row
-        (Note [Row-wise ops on gathered rows] in eagertp.rowwise) whose output
-        is gathered (HF's ``colwise_rep`` and ``colwise_gather_output``)."""
+    def unbind_consumer(self, shard: torch.Tensor, func: Any) -> None:
+        """If ``shard`` is the whole output of a matmul bound to a gather in
+        flight (as A rows), and a collective or an epilogue is about to take
+        it, take the matmul out of that gather and complete the gather: the
+        matmul, now a standalone product of the completed tensor, is made as
+        its collective needs it (an all-gather sending it, a reduce-scatter or
+        all-reduce producing from it: Note [Matmul + all-gather] in
+        eagertp.collectives.all_gather, Note [Matmul + all-reduce]), its scale
+        kept with it (Note [Epilogues] in eagertp.deferred), as before it
+        bound. A column-parallel matmul after a norm run row by row (Note
+        [Row-wise ops on gathered rows] in eagertp.rowwise) whose output is
+        gathered (HF's ``colwise_rep``, ``colwise_gather_output``); float8's
+        input gradient scaled row-wise by an all-reduced amax, then reduced."""
         gather = self.store.owner(shard)
         if not isinstance(gather, PendingGather):
             return
@@ -586,9 +590,9 @@ class Engine:
         view = mm.view
         mm.a = view.tensor.view(mm.gathered_dtype or view.tensor.dtype).reshape(mm.out.shape[0], -1)
         mm.operand, mm.view, mm.gathered_dtype = None, None, None
-        self.complete_owners([mm.a], "all_gather_into_tensor", f"read ${view.tid}: ${mm.tid}, made as it is sent")
+        self.complete_owners([mm.a], func, f"takes ${mm.tid} whole: ${view.tid} completes first")
         self.store.add_product(mm)
-        self.trace.event("${}: {} is made as its output is gathered", mm.tid, mm.describe())
+        self.trace.event("${}: {} unbound: {} takes it whole", mm.tid, mm.describe(), func)
 
     def _produce_gather(self, gather: PendingGather, product: Product, backend: Backend) -> None:
         """Start ``gather`` with its shard made by ``product`` as it is sent
@@ -844,6 +848,13 @@ class Engine:
           reduce-scatter along dim ``d``, which can then produce chunk by chunk.
         """
         owner = self.store.owner(tensors[0]) if tensors else None
+        if isinstance(owner, PendingGather) and dim == 0 and owner.view_of(tensors[0]) is None:
+            # A gather consumer's output, reshuffled for a reduce-scatter along dim > 0.
+            key = storage_key(tensors[0])
+            mm = next((mm for mm in owner.consumers if storage_key(mm.out) == key), None)
+            if mm is not None and len(tensors) > 1 and all(storage_key(t) == key for t in tensors):
+                self.unbind_consumer(mm.out, "cat")
+                owner = self.store.owner(tensors[0])
         if owner is None or any(self.store.owner(t) is not owner for t in tensors):
             return None
         world = len(tensors)
@@ -1017,7 +1028,8 @@ def profiler_range(name: str) -> contextlib.AbstractContextManager:
 _aten = torch.ops.aten
 _PENDING_PASSTHROUGH = frozenset({
     _aten._unsafe_view.default, _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_like.default,
-    _aten.new_zeros.default, _aten.zeros_like.default,
+    _aten.new_zeros.default, _aten.zeros_like.default, _aten.new_ones.default, _aten.ones_like.default,
+    _aten.new_full.default, _aten.full_like.default,
 })
 
 

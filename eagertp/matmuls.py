@@ -214,6 +214,8 @@ def _epilogue_target(engine: Engine, target, operand, kwargs: dict, *, in_place:
     matmul's; out of place, any product's."""
     if kwargs.get("alpha", 1) != 1 or not isinstance(target, torch.Tensor):
         return None
+    if in_place:
+        engine.unbind_consumer(target, "an in-place epilogue")
     found = engine.store.standalone_output(target)
     if found is None or found[1] is not None:
         return None

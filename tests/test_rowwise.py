@@ -306,3 +306,30 @@ def test_a_plain_gather_normed_then_multiplied_fuses(pool):
         assert r["ok"], r
         assert r["stats"]["all_gather_matmul"] == 1 and r["stats"]["rowwise_ops"] == 1, r
         assert "native_layer_norm (row by row) -> mm" in r["explain"], r["explain"]
+
+
+def _unbound_worker(rank, group):
+    """A matmul bound through a norm to the all-reduce's gather half, whose
+    output is all-reduced in turn: the second all-reduce takes the product
+    whole, so the matmul is unbound and made by it, chunk by chunk (and the
+    first gather half completes first, its reason in the trace)."""
+    h = integer_tensor((B * S, D), torch.float32, seed=rank)
+    w1, w2 = (integer_tensor((D, D), torch.float32, seed=s + rank) for s in (100, 200))
+
+    def run():
+        g = all_reduce(h @ w1, group)
+        y = F.layer_norm(g, [D]) @ w2
+        return all_reduce(y, group)
+
+    expected = run()
+    with EagerMicroPipeline() as pipe:
+        got = run()
+    return {"ok": torch.allclose(got, expected), "stats": dict(pipe.stats), "trace": pipe.debug_string()}
+
+
+def test_a_bound_matmul_whose_output_a_collective_takes_is_unbound(pool):
+    for r in pool.run(_unbound_worker, 2, timeout=60):
+        assert r["ok"], r
+        assert r["stats"] == {"matmul_all_reduce": 2, "rowwise_ops": 1}, r
+        assert "_c10d_functional.all_reduce.default takes $" in r["trace"], r["trace"]
+        assert "unbound: _c10d_functional.all_reduce.default takes it whole" in r["trace"], r["trace"]

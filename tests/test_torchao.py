@@ -173,11 +173,23 @@ _EXPECTED = {
         [(2, "all_gather #", "no matmul consumed it before aten.log2.default")],
     ),
     ("rowwise", False): ({"matmul_all_reduce": 3, "rowwise_ops": 23}, []),
+    # The same recipe with exact scales (``round_scales_to_power_of_2=False``):
+    # the quantization of the gathered rows runs row by row and w1's
+    # _scaled_mm reads each chunk with its rows' scales (w3's quantizes after
+    # silu read w1's output: the gather has completed). Backward, w2's
+    # input-gradient matmul binds to the gathered gradient too, but its
+    # in-place scale (Note [Epilogues]) takes the product whole first.
+    ("rowwise_exact_scales", True): (
+        {"all_gather_matmul": 1, "fused_matmuls": 1, "matmul_reduce_scatter": 2, "unfused_all_gather": 1,
+         "rowwise_ops": 58},
+        [(1, "all_gather #1", "an in-place epilogue takes")],
+    ),
+    ("rowwise_exact_scales", False): ({"matmul_all_reduce": 3, "rowwise_ops": 37}, []),
 }
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["SP", "no SP"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_exact_scales"])
 def test_torchao_float8_with_tp_fuses_its_matmul_collectives(pool, recipe, sequence_parallel):
     stats, other_unfused = _EXPECTED[(recipe, sequence_parallel)]
     for r in pool.run(_torchao_worker, 2, recipe, sequence_parallel):
