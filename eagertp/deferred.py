@@ -866,6 +866,11 @@ class PendingGather:
         program's: nothing can write it before the gather completes."""
         return storage_key(self.shard) == storage_key(self.out)
 
+    def consumer_writing(self, t: torch.Tensor) -> PendingMatmul | None:
+        """The consumer whose output placeholder ``t`` views, if any."""
+        key = storage_key(t)
+        return next((mm for mm in self.consumers if storage_key(mm.out) == key), None)
+
     def view_of(self, t: torch.Tensor) -> GatheredView | None:
         key = storage_key(t)
         return next((v for v in self.views if storage_key(v.tensor) == key), None)
@@ -1000,12 +1005,7 @@ class PendingStore:
         """Unbind ``mm`` from ``gather`` (``add_consumer`` undone)."""
         gather.consumers.remove(mm)
         del self._owner[storage_key(mm.out)]
-        inputs = self._inputs
-        for t in mm.inputs():
-            key = storage_key(t)
-            inputs[key] -= 1
-            if not inputs[key]:
-                del inputs[key]
+        self._release(mm.inputs())
 
     def add_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
         gather.consumers.append(mm)
@@ -1020,8 +1020,12 @@ class PendingStore:
             del self._owner[storage_key(t)]
         if isinstance(item, PendingGather) and not item.shard_in_out():
             self.stop_sending(item)
+        self._release(item.inputs())
+
+    def _release(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Pending work reads ``tensors`` no more."""
         inputs = self._inputs
-        for t in item.inputs():
+        for t in tensors:
             key = storage_key(t)
             inputs[key] -= 1
             if not inputs[key]:

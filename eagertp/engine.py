@@ -450,7 +450,8 @@ class Engine:
             and gather.out_unreachable()
         )
         try:
-            with profiler_range(f"eagertp::{plan.name}"):
+            # NB: a chain of row-wise steps says so (Note [Row-wise ops on gathered rows]).
+            with profiler_range(f"eagertp::{plan.name}{'+rowwise' if gather.steps else ''}"):
                 plan.run(whole=whole, own_chunk_unread=own_chunk_unread)
         except BaseException:
             gather.completed = True
@@ -575,8 +576,7 @@ class Engine:
         gather = self.store.owner(shard)
         if not isinstance(gather, PendingGather):
             return
-        key = storage_key(shard)
-        mm = next((mm for mm in gather.consumers if storage_key(mm.out) == key), None)
+        mm = gather.consumer_writing(shard)
         if (
             mm is None
             or mm.operand is not Operand.ROWS
@@ -850,8 +850,8 @@ class Engine:
         owner = self.store.owner(tensors[0]) if tensors else None
         if isinstance(owner, PendingGather) and dim == 0 and owner.view_of(tensors[0]) is None:
             # A gather consumer's output, reshuffled for a reduce-scatter along dim > 0.
+            mm = owner.consumer_writing(tensors[0])
             key = storage_key(tensors[0])
-            mm = next((mm for mm in owner.consumers if storage_key(mm.out) == key), None)
             if mm is not None and len(tensors) > 1 and all(storage_key(t) == key for t in tensors):
                 self.unbind_consumer(mm.out, "cat")
                 owner = self.store.owner(tensors[0])

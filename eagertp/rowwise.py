@@ -344,10 +344,10 @@ class RowwiseStep:
             for op in self.operands
         ]
         outputs = [None if v is None else (v.tid, Meta.of(v.tensor)) for v in self.outputs]
-        return _render_step, self.name, operands, outputs, self.tid, self.in_place
+        return _render_step, self.name, operands, outputs, self.in_place
 
 
-def _render_step(name: str, operands: list, outputs: list, tid: int, in_place: bool) -> str:
+def _render_step(name: str, operands: list, outputs: list, in_place: bool) -> str:
     args = ", ".join(map(str, operands))
     if in_place:
         return f"{operands[0]} = {name}({args}) [row-wise, in place]"
@@ -395,10 +395,6 @@ def _render_whole(name: str, tid: int, outputs: list[Meta]) -> str:
 def leading_ones(t: torch.Tensor) -> bool:
     """True if ``t`` is broadcast along every row (0-dim, or leading dims all 1)."""
     return math.prod(t.shape[:-1]) == 1 if t.dim() else True
-
-
-def describe_operands(tensors: Sequence[torch.Tensor]) -> str:
-    return ", ".join(tensor_str(t) for t in tensors)
 
 
 def _rows_view(t: torch.Tensor, view: GatheredView) -> bool:

@@ -333,3 +333,16 @@ def test_a_bound_matmul_whose_output_a_collective_takes_is_unbound(pool):
         assert r["stats"] == {"matmul_all_reduce": 2, "rowwise_ops": 1}, r
         assert "_c10d_functional.all_reduce.default takes $" in r["trace"], r["trace"]
         assert "unbound: _c10d_functional.all_reduce.default takes it whole" in r["trace"], r["trace"]
+
+
+def _profiler_worker(rank, group):
+    x = integer_tensor((S, D), torch.float32, seed=rank)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with EagerMicroPipeline():
+            F.layer_norm(all_gather(x, group), [D]) @ torch.ones(D, 4)
+    return sorted({e.name for e in prof.events() if e.name.startswith("eagertp::")})
+
+
+def test_a_chain_is_a_profiler_range(pool):
+    for names in pool.run(_profiler_worker, 2, timeout=60):
+        assert names == ["eagertp::all_gather_matmul+rowwise"], names
