@@ -115,6 +115,14 @@ def _hf_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> to
     return weight * h.to(dtype)
 
 
+def _plain_then_fused(run):
+    """``run()`` in plain eager, then inside the block: (got, expected, pipe)."""
+    expected = run()
+    with EagerMicroPipeline() as pipe:
+        got = run()
+    return got, expected, pipe
+
+
 def test_every_rule_is_exercised():
     """Every op of the table appears in some case: a new rule comes with its test."""
     seen = {name for _, ops in CASES.values() for name in ops}
@@ -229,9 +237,7 @@ def _two_gathers_worker(rank, group):
         n = F.layer_norm(gq + gk, [D], w, w)
         return n @ torch.ones(D, 4), n, gk
 
-    expected = run()
-    with EagerMicroPipeline() as pipe:
-        got = run()
+    got, expected, pipe = _plain_then_fused(run)
     return {
         "equal": [torch.equal(got[1], expected[1]), torch.equal(got[2], expected[2])],
         "close": torch.allclose(got[0], expected[0]),
@@ -271,9 +277,7 @@ def _not_rowwise_worker(rank, group, case):
         out = program(g, x)
         return out.reshape(-1, out.shape[-1]) @ torch.ones(out.shape[-1], 4)
 
-    expected = run()
-    with EagerMicroPipeline() as pipe:
-        got = run()
+    got, expected, pipe = _plain_then_fused(run)
     return {"ok": torch.allclose(got, expected), "stats": dict(pipe.stats), "trace": pipe.debug_string()}
 
 
@@ -295,9 +299,7 @@ def _dropped_gather_worker(rank, group):
     def run():
         return F.layer_norm(all_gather(x, group), [D], w, None) @ torch.ones(D, 4)
 
-    expected = run()
-    with EagerMicroPipeline() as pipe:
-        got = run()
+    got, expected, pipe = _plain_then_fused(run)
     return {"ok": torch.allclose(got, expected), "stats": dict(pipe.stats), "explain": pipe.explain()}
 
 
@@ -321,9 +323,7 @@ def _unbound_worker(rank, group):
         y = F.layer_norm(g, [D]) @ w2
         return all_reduce(y, group)
 
-    expected = run()
-    with EagerMicroPipeline() as pipe:
-        got = run()
+    got, expected, pipe = _plain_then_fused(run)
     return {"ok": torch.allclose(got, expected), "stats": dict(pipe.stats), "trace": pipe.debug_string()}
 
 
