@@ -783,13 +783,7 @@ class Engine:
             return None, f"{what}, on another group than A's ({scale_gather.record.group})"
         if gather.scale_of or scale_gather.scale_gathers():
             return None, f"{what}, and one of the two gathers is already another matmul's gathered scale"
-        whole = (
-            scale_a.shape == (a.shape[0], 1)
-            and scale_a.is_contiguous()
-            and scale_a.storage_offset() == scale_view.tensor.storage_offset()
-            and scale_a.numel() == scale_view.tensor.numel()
-        )
-        if not whole:
+        if not _scale_rows_of(scale_a, scale_view, a):
             return None, f"{what}, not as the whole gathered tensor seen as A's rows [{a.shape[0]}, 1]"
         # Rank i's scale shard, flattened, must be the scales of rank i's data
         # shard's rows, in order: the same gather dim and leading dims, one
@@ -989,11 +983,19 @@ def _rows_of_own_gather(gather: PendingGather, view: GatheredView, a: torch.Tens
         and found.derived
         and found.dim == view.dim
         and found.tensor.shape[:-1] == view.tensor.shape[:-1]
-        and scale_a.shape == (a.shape[0], 1)
         and a.shape[0] == math.prod(view.tensor.shape[:-1])
+        and _scale_rows_of(scale_a, found, a)
+    )
+
+
+def _scale_rows_of(scale_a: torch.Tensor, view: GatheredView, a: torch.Tensor) -> bool:
+    """True if ``scale_a`` is the whole of ``view`` seen as one scale per row
+    of ``a``: ``[a.shape[0], 1]``, contiguous."""
+    return (
+        scale_a.shape == (a.shape[0], 1)
         and scale_a.is_contiguous()
-        and scale_a.storage_offset() == found.tensor.storage_offset()
-        and scale_a.numel() == found.tensor.numel()
+        and scale_a.storage_offset() == view.tensor.storage_offset()
+        and scale_a.numel() == view.tensor.numel()
     )
 
 
