@@ -573,7 +573,7 @@ class Engine:
         [Row-wise ops on gathered rows] in eagertp.rowwise) whose output is
         gathered (HF's ``colwise_rep``, ``colwise_gather_output``); float8's
         input gradient scaled row-wise by an all-reduced amax, then reduced."""
-        gather = self.store.owner(shard)
+        gather = self.store.owner(shard) if self.store.items else None
         if not isinstance(gather, PendingGather):
             return
         mm = gather.consumer_writing(shard)

@@ -99,8 +99,7 @@ def all_reduce(
     if as_written is not None:
         signature = f"{kind} of {tensor_str(inp)}"
         return engine.issue_as_is(func, args, kwargs, kind, inp, group, as_written, signature)
-    if engine.store.items:
-        engine.unbind_consumer(inp, func)
+    engine.unbind_consumer(inp, func)
     if in_place:  # Note [Every write is seen] in eagertp.engine: its product is ours to take
         engine.before_write(func, [inp], owners=False, takes=inp)
     result = inp if in_place else engine.placeholder(inp, inp.shape)

@@ -56,8 +56,7 @@ def reduce_scatter(
         out_str = f"{dtype_str(inp.dtype)}{[inp.shape[0] // world, *inp.shape[1:]]}"  # as tensor_str(out)
         signature = scatter_signature(reduce_op, out_str)
         return engine.issue_as_is(func, args, kwargs, kind, inp, group, too_small, signature)
-    if engine.store.items:
-        engine.unbind_consumer(inp, func)
+    engine.unbind_consumer(inp, func)
     if out is None:
         out = engine.placeholder(inp, (inp.shape[0] // world, *inp.shape[1:]))
     # NB: one that reads no pending product marks none past its collective.
