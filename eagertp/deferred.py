@@ -396,6 +396,14 @@ class Scaled:
 # other readers, as a cast keeps it). Elementwise on the same values: bitwise
 # plain eager's. The operand is an input of the pending product (a write to it
 # completes the product first: Note [Every write is seen] in eagertp.engine).
+#
+# A matmul bound to a gather in flight as its rows (a row-wise float8 input
+# gradient: the gathered output gradient, quantized row by row, times the
+# weight) keeps an in-place epilogue the same way, applied to the rows each
+# piece makes right after the matmul of those rows. Its operand may then also
+# be rows that the gather's row-wise steps make (``a_inv_scale * b_inv_scale``
+# is such rows: Note [Row-wise ops on gathered rows] in eagertp.rowwise): the
+# steps of a piece run before its matmuls, so the piece's rows of it are made.
 
 
 @dataclasses.dataclass(eq=False, slots=True)

@@ -573,19 +573,10 @@ class Engine:
         [Row-wise ops on gathered rows] in eagertp.rowwise) whose output is
         gathered (HF's ``colwise_rep``, ``colwise_gather_output``); float8's
         input gradient scaled row-wise by an all-reduced amax, then reduced."""
-        gather = self.store.owner(shard) if self.store.items else None
-        if not isinstance(gather, PendingGather):
+        bound = self._bound_output(shard)
+        if bound is None:
             return
-        mm = gather.consumer_writing(shard)
-        if (
-            mm is None
-            or mm.operand is not Operand.ROWS
-            or mm.scale_gather is not None
-            or not shard.is_contiguous()
-            or shard.storage_offset() != mm.out.storage_offset()
-            or shard.numel() != mm.out.numel()
-        ):
-            return
+        gather, mm = bound
         self.store.remove_consumer(gather, mm)
         view = mm.view
         mm.a = view.tensor.view(mm.gathered_dtype or view.tensor.dtype).reshape(mm.out.shape[0], -1)
@@ -593,6 +584,24 @@ class Engine:
         self.complete_owners([mm.a], func, f"takes ${mm.tid} whole: ${view.tid} completes first")
         self.store.add_product(mm)
         self.trace.event("${}: {} unbound: {} takes it whole", mm.tid, mm.describe(), func)
+
+    def _bound_output(self, t: torch.Tensor) -> tuple[PendingGather, PendingMatmul] | None:
+        """The gather in flight and the matmul bound to it as A rows whose
+        whole output ``t`` is, if it is one that ``unbind_consumer`` can unbind."""
+        gather = self.store.owner(t) if self.store.items else None
+        if not isinstance(gather, PendingGather):
+            return None
+        mm = gather.consumer_writing(t)
+        if (
+            mm is None
+            or mm.operand is not Operand.ROWS
+            or mm.scale_gather is not None
+            or not t.is_contiguous()
+            or t.storage_offset() != mm.out.storage_offset()
+            or t.numel() != mm.out.numel()
+        ):
+            return None
+        return gather, mm
 
     def _produce_gather(self, gather: PendingGather, product: Product, backend: Backend) -> None:
         """Start ``gather`` with its shard made by ``product`` as it is sent
@@ -883,7 +892,14 @@ class Engine:
     def defer_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Defer ``x + y`` of two whole pending products (autograd accumulating an
         input gradient): a reduce-scatter of the sum can then produce each chunk
-        as a sum of matmul rows. None if that is not it."""
+        as a sum of matmul rows. A term bound to a gather in flight as its rows
+        (float8's row-wise input gradients, each scaled by the rows of its own
+        amax all-reduce's gather half) is unbound first: the sum is read now,
+        which would complete its gather anyway. None if that is not it."""
+        whole = [self.store.standalone_output(t) for t in (x, y)]
+        if all((found is not None and found[1] is None) or self._bound_output(t) is not None for t, found in zip((x, y), whole)):
+            for t in (x, y):
+                self.unbind_consumer(t, "aten.add.Tensor")
         found_x, found_y = self.store.standalone_output(x), self.store.standalone_output(y)
         if found_x is None or found_y is None or found_x[1] is not None or found_y[1] is not None:
             return None

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from eagertp.deferred import Epilogue, PendingMatmul, Product, Scaled, operand_str
+from eagertp.deferred import Epilogue, Operand, PendingGather, PendingMatmul, Product, Scaled, operand_str
 from eagertp.engine import Engine, same_views
 from eagertp.table import register
 
@@ -200,12 +200,60 @@ def _in_place_epilogue(engine: Engine, func, args, kwargs):
     if not engine.store.items:
         return func._op(*args, **kwargs)
     target, operand = args[0], args[1]
-    product = _epilogue_target(engine, target, operand, kwargs, in_place=True)
+    product = _bound_target(engine, target, operand, kwargs)
+    if product is None:
+        product = _epilogue_target(engine, target, operand, kwargs, in_place=True)
     if product is None:
         return engine.run_plain(func, args, kwargs)
     engine.store.add_epilogue(product, Epilogue(_EPILOGUES[func], operand))
     engine.trace.event("${} {}= {}", product.tid, "*" if _EPILOGUES[func] is torch.Tensor.mul_ else "+", operand_str(operand))
     return target
+
+
+def _bound_target(engine: Engine, target, operand, kwargs: dict) -> PendingMatmul | None:
+    """The matmul bound to a gather in flight as its rows whose whole output
+    ``target`` is, if an in-place op of ``operand`` on it can stay with it,
+    applied to each piece's rows (Note [Epilogues]): ``operand`` a number, a
+    tensor nothing pending makes or reads, or rows the gather's row-wise steps
+    make."""
+    if kwargs.get("alpha", 1) != 1 or not isinstance(target, torch.Tensor):
+        return None
+    store = engine.store
+    gather = store.owner(target)
+    if not isinstance(gather, PendingGather):
+        return None
+    mm = gather.consumer_writing(target)
+    if mm is None or mm.operand is not Operand.ROWS or not same_views([target], [mm.out]):
+        return None
+    if isinstance(operand, torch.Tensor):
+        if operand.device != target.device or not _broadcasts_to(operand, target.shape):
+            return None
+        if store.owner(operand) is gather:
+            view = gather.view_of(operand)
+            if (
+                view is None
+                or not view.derived
+                or not operand.is_contiguous()
+                or operand.storage_offset() != view.tensor.storage_offset()
+                or operand.numel() != view.tensor.numel()
+                or operand.dim() != 2
+                or operand.shape[0] != target.shape[0]
+            ):
+                return None
+        elif store.touched([operand]) is not None:
+            return None
+    elif not isinstance(operand, (int, float)):
+        return None
+    if not torch.can_cast(torch.result_type(target, operand), target.dtype):
+        return None  # plain eager raises its own error
+    return mm
+
+
+def _broadcasts_to(t: torch.Tensor, shape: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(t.shape, shape) == shape
+    except RuntimeError:
+        return False
 
 
 def _epilogue_target(engine: Engine, target, operand, kwargs: dict, *, in_place: bool) -> Product | None:
@@ -223,12 +271,11 @@ def _epilogue_target(engine: Engine, target, operand, kwargs: dict, *, in_place:
     if product.absorbed or target.shape != product.out.shape or (in_place and not isinstance(product, PendingMatmul)):
         return None
     if isinstance(operand, torch.Tensor):
-        if engine.store.touched([operand]) is not None or operand.device != target.device:
-            return None
-        try:
-            if torch.broadcast_shapes(operand.shape, target.shape) != target.shape:
-                return None
-        except RuntimeError:
+        if (
+            engine.store.touched([operand]) is not None
+            or operand.device != target.device
+            or not _broadcasts_to(operand, target.shape)
+        ):
             return None
     elif not isinstance(operand, (int, float)):
         return None

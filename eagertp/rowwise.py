@@ -59,12 +59,32 @@ tensors.
 
 "Row-wise" is a promise of equal results: each row is the same computation
 on the same values whichever rows a call holds. That holds for IEEE's basic
-operations, casts, and reductions along the last dim; it does not for the
-transcendental functions (exp, tanh, erf, pow to other exponents), whose CPU
-kernels round differently in their vector and scalar loops, so that a row
-that falls on another chunk boundary could change in its last bit. They are
-not in the table. ``tests/test_rowwise.py`` runs every entry on chunks of
-random shapes and dtypes and compares bitwise with the whole op.
+operations, roundings to integers, casts, and reductions along the last dim.
+It does not hold, as such, for the transcendental functions (exp, log2,
+tanh, pow to most exponents): their CPU kernels round differently in their
+vector loop and in the scalar loop that finishes a call's last elements, so
+an element that falls at the end of a chunk could change in its last bit.
+Those run on *windows* instead (Note [Aligned windows]). ``tests/test_rowwise.py``
+runs every entry on chunks of random shapes and dtypes and compares bitwise
+with the whole op.
+
+Note [Aligned windows]
+~~~~~~~~~~~~~~~~~~~~~~
+A CPU elementwise kernel on a contiguous tensor loops over its elements in
+blocks of two vectors from the first element, then finishes the last few
+with scalar code (ATen's ``vectorized_loop``); an element's bits depend only
+on which of the two computes it. A unary op on a chunk's rows therefore runs
+on a window of the whole flattened tensor (a derived placeholder of the
+gather: rows that have not landed yet hold stale values there, and the other
+lanes of a vector never affect an element) that starts at a multiple of
+``WINDOW`` elements (a multiple of every vector loop's block) and ends at the
+next such multiple or at the tensor's end; the chunk's elements are copied
+out. Each element is then computed as in the whole call: in a full block, or
+in the same scalar tail. This holds while the whole call runs on one thread:
+past ``GRAIN_SIZE`` elements ATen splits it over threads at boundaries of
+its own, so a windowed op on a tensor that large, with more than one thread,
+completes the gather instead. Other devices compute each element the same way
+wherever it lies; the windows cost nothing there.
 """
 
 from __future__ import annotations
@@ -128,6 +148,9 @@ class Rule:
     row_results: tuple[int, ...] = ()  # with ``split``: the results made row by row
     whole: bool = False  # computed whole when the gather completes (reduces over the rows)
     rewrite_dims: bool = False  # its dims (argument 1) are the last dim: passed as [-1] to the rows
+    # True for the op's arguments if it runs on aligned windows of its input
+    # (Note [Aligned windows]): a unary op not exact per element.
+    window: Callable[[tuple], bool] | None = None
 
 
 def _last_dim_keepdim(args: tuple, kwargs: dict, ndim: int) -> str | None:
@@ -161,17 +184,18 @@ def _grad_last_dim_normalized(args: tuple, kwargs: dict, ndim: int) -> str | Non
 _EXACT_EXPONENTS = frozenset({0.5, 1, 2, 3, -0.5, -1, -2})
 
 
-def _exact_exponent(args: tuple, kwargs: dict, ndim: int) -> str | None:
-    if args[1] not in _EXACT_EXPONENTS:
-        return f"pow to {args[1]} is not exact per element"
-    return _single_or_double(args, kwargs, ndim) if args[1] == -0.5 else None
+def _always(args: tuple) -> bool:
+    return True
 
 
-def _single_or_double(args: tuple, kwargs: dict, ndim: int) -> str | None:
+def _half_precision(args: tuple) -> bool:
     """rsqrt: exact per element in float32 and float64 only (the CPU kernels'
     vector and scalar loops round half-precision inputs differently)."""
-    dtype = args[0].dtype
-    return None if dtype in (torch.float32, torch.float64) else f"rsqrt in {dtype} is not exact per element"
+    return args[0].dtype not in (torch.float32, torch.float64)
+
+
+def _inexact_power(args: tuple) -> bool:
+    return args[1] not in _EXACT_EXPONENTS or (args[1] == -0.5 and _half_precision(args))
 
 
 def _only_dtype(args: tuple, kwargs: dict, ndim: int) -> str | None:
@@ -202,10 +226,18 @@ ROW_TABLE: dict[torch._ops.OpOverload, Rule] = {
             aten.sqrt.default, aten.reciprocal.default, aten.neg.default, aten.abs.default,
             aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
             aten.where.self, aten.clone.default,
+            aten.floor.default, aten.ceil.default, aten.trunc.default, aten.round.default, aten.sign.default,
         )
     },
-    aten.pow.Tensor_Scalar: Rule(_exact_exponent),
-    aten.rsqrt.default: Rule(_single_or_double),
+    aten.pow.Tensor_Scalar: Rule(window=_inexact_power),
+    aten.rsqrt.default: Rule(window=_half_precision),
+    **{
+        op: Rule(window=_always)
+        for op in (
+            aten.exp.default, aten.exp2.default, aten.log.default, aten.log2.default,
+            aten.tanh.default, aten.sigmoid.default, aten.silu.default, aten.erf.default,
+        )
+    },
     aten._to_copy.default: Rule(_only_dtype),
     **{
         op: Rule(in_place=True)
@@ -282,6 +314,7 @@ class RowwiseStep:
     geometry: GatheredView  # whose rows the pieces' (src, rows) count
     tid: int
     in_place: bool = False
+    windowed: bool = False  # a unary op run on aligned windows of its input (Note [Aligned windows])
 
     @property
     def name(self) -> str:
@@ -291,6 +324,17 @@ class RowwiseStep:
         """The op on the rows that rows ``rows`` of rank ``src``'s shard make,
         written into the derived placeholders (a consumer step)."""
         geometry = self.geometry
+        if self.windowed:
+            source, (made,) = self.operands[0].tensor, self.outputs
+            runs = geometry.runs_of(source, src, rows)  # [runs, rows per run, X]
+            length = runs[0].numel()
+            flat_in, flat_out = source.view(-1), made.tensor.view(-1)
+            for run in runs:
+                start = run.storage_offset() - source.storage_offset()
+                flat_out[start : start + length] = in_window(
+                    lambda t: self._apply([t])[0], flat_in, start, length
+                )
+            return
         values = []
         for op in self.operands:
             kind = op.kind
@@ -345,6 +389,34 @@ class RowwiseStep:
         ]
         outputs = [None if v is None else (v.tid, Meta.of(v.tensor)) for v in self.outputs]
         return _render_step, self.name, operands, outputs, self.in_place
+
+
+# Note [Aligned windows]: a multiple of the block of every CPU vector loop
+# (two vectors of at most 64 bytes: 128 one-byte elements).
+WINDOW = 256
+GRAIN_SIZE = 32768  # ATen's at::internal::GRAIN_SIZE: more elements may split over threads
+
+
+def in_window(
+    op: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor, start: int, length: int
+) -> torch.Tensor:
+    """``op(flat)[start : start + length]``, bitwise, from ``op`` on an aligned
+    window of the contiguous 1-d ``flat`` around those elements (Note [Aligned
+    windows])."""
+    lo = start - start % WINDOW
+    hi = min(flat.numel(), -(-(start + length) // WINDOW) * WINDOW)
+    return op(flat[lo:hi])[start - lo : start - lo + length]
+
+
+def why_not_windowed(operands: list[RowOperand]) -> str | None:
+    """Why a unary op not exact per element cannot run on aligned windows of
+    its one operand (Note [Aligned windows]), or None."""
+    if len(operands) != 1 or operands[0].kind is not Kind.ROWS or operands[0].view is None or operands[0].width:
+        return "it is not exact per element, and runs on aligned windows of a row-wise result only"
+    t = operands[0].tensor
+    if t.device.type == "cpu" and t.numel() >= GRAIN_SIZE and torch.get_num_threads() > 1:
+        return f"it is not exact per element, and its {t.numel()} elements split over threads"
+    return None
 
 
 def _render_step(name: str, operands: list, outputs: list, in_place: bool) -> str:
@@ -553,6 +625,9 @@ def defer(engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -
             operands.append(RowOperand(Kind.ROWS, t.reshape(*lead, t.shape[-1])))
         else:
             return None, f"its operand {tensor_str(t)} is broadcast along some rows only"
+    windowed = rule.window is not None and rule.window(args)
+    if windowed and (why := why_not_windowed(operands)) is not None:
+        return None, why
     # NB: the shapes and dtypes of the results from the meta kernels (the mode
     # is off while it handles an op: these calls do not come back to it).
     try:
@@ -580,7 +655,8 @@ def defer(engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -
     step = None
     if row_args is not None and (rule.in_place or any(v is not None for v in views)):
         step = RowwiseStep(
-            func, slotted_args, slotted_kwargs, operands, views, geometry, store.next_tid(), in_place=rule.in_place
+            func, slotted_args, slotted_kwargs, operands, views, geometry, store.next_tid(),
+            in_place=rule.in_place, windowed=windowed,
         )
     whole = None
     if whole_args is not None:
@@ -607,12 +683,13 @@ def defer(engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -
 
 
 def _read_whole(gather: PendingGather, view: GatheredView) -> bool:
-    """True if a consumer or a reduction over the rows already reads ``view``
-    (whole, after the steps): an in-place step would change what they read."""
+    """True if a consumer (or its epilogue) or a reduction over the rows
+    already reads ``view`` (after the steps): an in-place step would change
+    what they read."""
     from eagertp.deferred import storage_key
 
     key = storage_key(view.tensor)
-    return any(mm.view is view for mm in gather.consumers) or any(
+    return any(mm.view is view or any(storage_key(t) == key for t in mm.inputs()) for mm in gather.consumers) or any(
         storage_key(t) == key for w in gather.wholes for t in w.inputs()
     )
 

@@ -19,11 +19,11 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import OpCounter, all_gather, all_reduce, integer_tensor, random_tensor
+from helpers import OpCounter, all_gather, all_reduce, integer_tensor, random_tensor, reduce_scatter
 from symm_mem_emulation import BOTH_BACKENDS, run_on
 
 from eagertp import EagerMicroPipeline
-from eagertp.rowwise import ROW_TABLE, WHOLE_TABLE
+from eagertp.rowwise import GRAIN_SIZE, ROW_TABLE, WHOLE_TABLE, in_window
 
 aten = torch.ops.aten
 
@@ -104,7 +104,31 @@ CASES = {
     "layer_norm_composite": (
         lambda g, x, w, r: F.layer_norm(x + g, [D], w, w), ["add.Tensor", "native_layer_norm.default"]
     ),
+    "roundings": (
+        lambda g, x, w, r: (lambda h: (h.floor(), h.ceil(), h.trunc(), h.round(), h.sign()))(g / 3),
+        ["div.Tensor", "floor.default", "ceil.default", "trunc.default", "round.default", "sign.default"],
+    ),
+    # Not exact per element: run on aligned windows (Note [Aligned windows]).
+    "power_of_2_scales": (  # torchao's float8 scales, rounded down to powers of 2
+        lambda g, x, w, r: torch.exp2(torch.floor(torch.log2(_abs1(g).float()))),
+        ["abs.default", "add.Tensor", "log2.default", "floor.default", "exp2.default"],
+    ),
+    "transcendentals": (
+        lambda g, x, w, r: (lambda h: (h.exp(), h.tanh(), h.sigmoid(), F.silu(h), h.erf(), _abs1(h).log()))(g / 64),
+        ["div.Tensor", "exp.default", "tanh.default", "sigmoid.default", "silu.default", "erf.default",
+         "abs.default", "add.Tensor", "log.default"],
+    ),
+    "pow_3_5": (lambda g, x, w, r: g.abs().pow(3.5), ["abs.default", "pow.Tensor_Scalar"]),
+    "rsqrt_bf16": (
+        lambda g, x, w, r: aten.rsqrt.default(_abs1(g).to(torch.bfloat16)),
+        ["abs.default", "add.Tensor", "_to_copy.default", "rsqrt.default"],
+    ),
 }
+
+# Cases whose ops are not exact per element: each element is exact in the
+# same aligned window of the whole tensor, not on any split of the rows
+# (their promise: ``test_aligned_windows_give_the_whole_ops_bits``).
+WINDOWED = {"power_of_2_scales", "transcendentals", "pow_3_5", "rsqrt_bf16"}
 
 
 def _hf_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -144,13 +168,13 @@ def _as_list(out) -> list[torch.Tensor]:
     return [t for t in (out if isinstance(out, (tuple, list)) else [out]) if t is not None]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(set(CASES) - WINDOWED))
 def test_the_table_promise_rows_anywhere_give_the_same_bits(case):
     """Each case on any split of its rows equals the case on the whole tensor,
     bitwise, on random shapes and dtypes (float32, bfloat16, float16). The
     rows are the leading dims, flattened. The cases with rsqrt run it in
-    float32 (half precision is not in the table: its kernels' vector and
-    scalar loops round differently)."""
+    float32 (in half precision its kernels' vector and scalar loops round
+    differently: it runs on aligned windows, as ``WINDOWED`` cases do)."""
     program, _ = CASES[case]
     gen = torch.Generator().manual_seed(sum(map(ord, case)))
     for dtype, trial in itertools.product((torch.float32, torch.bfloat16, torch.float16), range(4)):
@@ -171,6 +195,60 @@ def test_the_table_promise_rows_anywhere_give_the_same_bits(case):
             if want.dim() == 3:  # rows: the parts, concatenated
                 got = torch.cat([p[i] for p in parts], 1)
                 assert torch.equal(got, want), (case, dtype, rows, d, cut, i)
+
+
+# Every op the table runs on aligned windows (Note [Aligned windows]).
+_WINDOWED_OPS = {
+    "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2, "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid, "silu": F.silu, "erf": torch.erf, "rsqrt": torch.rsqrt,
+    "pow_3_5": lambda t: t.pow(3.5), "pow_minus_half": lambda t: t.pow(-0.5),
+}
+
+
+def test_every_windowed_op_is_exercised():
+    windowed = {op.__name__.split(".")[0] for op, rule in ROW_TABLE.items() if rule.window is not None}
+    assert windowed == {name.split("_")[0] for name in _WINDOWED_OPS}
+
+
+@pytest.mark.parametrize("name", sorted(_WINDOWED_OPS))
+def test_aligned_windows_give_the_whole_ops_bits(name):
+    """The promise of the ops not exact per element: any elements of a
+    contiguous tensor, computed on their aligned window, are the whole op's
+    bits (random lengths up to ``GRAIN_SIZE``, random runs, float32, bfloat16
+    and float16). On this machine's vector CPUs the bare runs (no window)
+    differ in their last bits somewhere: the windows are what makes it exact."""
+    op = _WINDOWED_OPS[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    bare_differs = False
+    for dtype, trial in itertools.product((torch.float32, torch.bfloat16, torch.float16), range(20)):
+        n = int(torch.randint(1, GRAIN_SIZE, (1,), generator=gen))
+        flat = (torch.rand(n, generator=gen) * 6 + 0.05).to(dtype)
+        whole = op(flat)
+        start = int(torch.randint(0, n, (1,), generator=gen))
+        length = int(torch.randint(1, n - start + 1, (1,), generator=gen))
+        got = in_window(op, flat, start, length)
+        assert torch.equal(got, whole[start : start + length]), (name, dtype, n, start, length)
+        bare_differs |= not torch.equal(op(flat[start : start + length]), whole[start : start + length])
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and name in ("exp2", "rsqrt"):
+        assert bare_differs, name  # else this test would not tell windows from bare runs
+
+
+def test_a_windowed_op_on_a_tensor_split_over_threads_is_refused():
+    """Past GRAIN_SIZE elements ATen may split a call over threads, at
+    boundaries the windows do not follow: the op completes the gather."""
+    from eagertp.deferred import GatheredView
+    from eagertp.rowwise import Kind, RowOperand, why_not_windowed
+
+    big = torch.zeros(GRAIN_SIZE // 8, 8)
+    operands = [RowOperand(Kind.ROWS, big, GatheredView(big, 0, 2, 0, derived=True))]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert "split over threads" in why_not_windowed(operands)
+        torch.set_num_threads(1)
+        assert why_not_windowed(operands) is None
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _chain_worker(rank, group, case, verify):
@@ -260,9 +338,8 @@ NOT_ROWWISE = {
     "reduce_rows": (lambda g, x: g.mean(0, keepdim=True), "not row by row: it reduces dims [0], not the last dim alone"),
     "no_keepdim": (lambda g, x: g.sum(-1), "without keepdim"),
     "broadcast_some_rows": (lambda g, x: g + x[:1], "broadcast along some rows only"),
-    "transcendental": (lambda g, x: g.exp(), "read $"),
+    "transcendental_on_the_gathered": (lambda g, x: g.exp(), "runs on aligned windows of a row-wise result only"),
     "in_place_on_gathered": (lambda g, x: g.add_(1), "writes the gathered tensor itself in place"),
-    "pow_3_5": (lambda g, x: g.abs().pow(3.5), "not exact per element"),
 }
 
 
@@ -346,3 +423,106 @@ def _profiler_worker(rank, group):
 def test_a_chain_is_a_profiler_range(pool):
     for names in pool.run(_profiler_worker, 2, timeout=60):
         assert names == ["eagertp::all_gather_matmul+rowwise"], names
+
+
+def _windows_worker(rank, group, verify):
+    """Ops not exact per element on rows gathered along dim 1 (sequence
+    parallel's layout: each piece makes one run of rows per batch), with run
+    lengths off the window's multiples: each run is computed in its aligned
+    window (Note [Aligned windows] in eagertp.rowwise); random floats, so
+    that a bare run would differ in its last bits."""
+    x = random_tensor((2, 45, 7), torch.float32, seed=rank)
+    w = random_tensor((7, 5), torch.float32, seed=50)
+
+    def run():
+        g = all_gather(x, group, gather_dim=1)
+        scale = torch.exp2(torch.floor(torch.log2(g.abs() + 0.5)))
+        h = F.silu(g * scale)
+        return h.reshape(-1, 7) @ w, scale, h
+
+    expected = run()
+    with EagerMicroPipeline(verify=verify) as pipe:
+        got = run()
+    return {
+        "equal": [torch.equal(a, b) for a, b in zip(got[1:], expected[1:])],
+        "close": torch.allclose(got[0], expected[0]),
+        "stats": dict(pipe.stats),
+        "explain": pipe.explain(),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_windowed_ops_on_runs_of_rows_give_plain_eagers_bits(pool, world, backend):
+    for r in run_on(backend, pool, _windows_worker, world, True):
+        assert all(r["equal"]) and r["close"], r
+        assert r["stats"]["all_gather_matmul"] == 1 and r["stats"]["rowwise_ops"] == 7, r
+        assert "log2, floor, exp2, mul, silu (row by row) -> mm" in r["explain"], r["explain"]
+
+
+# -- in-place epilogues on a matmul bound to the gather (Note [Epilogues]) ----
+
+# name -> in-place op on the bound matmul's output ``out`` [M, N], given the
+# derived per-row scales ``s`` [M, 1] and a program tensor ``col`` [1, N];
+# True if it stays with the matmul.
+EPILOGUES = {
+    "number": (lambda out, s, col: out.mul_(2), True),
+    "program_tensor": (lambda out, s, col: out.add_(col), True),
+    "derived_rows": (lambda out, s, col: out.mul_(s * col), True),  # torchao: out *= a_inv_scale * b_inv_scale
+    "derived_per_row": (lambda out, s, col: out.mul_(s), True),
+    # The write to the scales completes the gather first, the epilogue applied.
+    "then_written_in_place": (lambda out, s, col: (lambda post: (out.mul_(post), post.add_(1)))(s * col), True),
+    "by_its_own_input": (lambda out, s, col: out.mul_(out), False),
+}
+
+
+def _bound_epilogue_worker(rank, group, case):
+    """torchao's row-wise float8 input gradient: a gathered tensor scaled per
+    row, multiplied by a weight, its output then scaled in place."""
+    epilogue, _ = EPILOGUES[case]
+    x = integer_tensor((S, D), torch.float32, seed=rank)
+    w = integer_tensor((D, 4), torch.float32, seed=20)
+    col = integer_tensor((1, 4), torch.float32, seed=21)
+
+    def run():
+        g = all_gather(x, group)
+        s = g.abs().amax(-1, keepdim=True)
+        out = (g * s) @ w
+        epilogue(out, s, col)
+        return out
+
+    got, expected, pipe = _plain_then_fused(run)
+    return {"equal": torch.equal(got, expected), "stats": dict(pipe.stats), "trace": pipe.debug_string()}
+
+
+@pytest.mark.parametrize("case", sorted(EPILOGUES))
+def test_an_in_place_epilogue_stays_with_a_bound_matmul(pool, case):
+    _, stays = EPILOGUES[case]
+    for r in pool.run(_bound_epilogue_worker, 2, case, timeout=60):
+        assert r["equal"], r
+        assert r["stats"].get("all_gather_matmul", 0) == int(stays), r
+        assert ("unbound: an in-place epilogue" in r["trace"]) != stays, r["trace"]
+        if case == "then_written_in_place":
+            assert "wait: aten.add_.Tensor writes what $" in r["trace"], r["trace"]
+
+
+def _bound_sum_worker(rank, group):
+    """Two gathered tensors, each multiplied by a weight, summed and
+    reduce-scattered: the sum reads the matmuls bound to their gathers, which
+    are unbound so that the reduce-scatter produces from the sum."""
+    x1, x2 = (integer_tensor((S, D), torch.float32, seed=s + rank) for s in (0, 10))
+    w1, w2 = (integer_tensor((D, D), torch.float32, seed=s + rank) for s in (100, 110))
+
+    def run():
+        y = all_gather(x1, group) @ w1 + all_gather(x2, group) @ w2
+        return reduce_scatter(y, group)
+
+    got, expected, pipe = _plain_then_fused(run)
+    return {"equal": torch.equal(got, expected), "stats": dict(pipe.stats), "trace": pipe.debug_string()}
+
+
+def test_a_sum_of_bound_matmuls_is_reduce_scattered_from_its_products(pool):
+    for r in pool.run(_bound_sum_worker, 2, timeout=60):
+        assert r["equal"], r
+        assert r["stats"] == {"matmul_reduce_scatter": 1, "unfused_all_gather": 2}, r
+        assert r["trace"].count("unbound: aten.add.Tensor takes it whole") == 2, r["trace"]
