@@ -6,6 +6,7 @@ communication), timed in the same run.
     python benchmarks/train_step.py --link-rate 2gbit  # wire-limited loopback
     python benchmarks/train_step.py --no-sequence-parallel   # plain TP: all-reduces
     python benchmarks/train_step.py --inference        # the forward alone, under inference_mode
+    python benchmarks/train_step.py --float8 rowwise   # torchao's float8 training, row-wise scaling
 
 The model and the TP plan are the demo's (eagertp.demo); with
 ``--no-sequence-parallel`` the plan is plain TP (Colwise/Rowwise, activations
@@ -135,6 +136,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--inference", action="store_true", help="time the forward alone, under torch.inference_mode()"
     )
     parser.add_argument(
+        "--float8",
+        choices=["rowwise", "rowwise_exact_scales"],
+        help="torchao's float8 training, row-wise scaling (torchtitan's rowwise recipe, with torch's TP "
+        "styles; its scales rounded to powers of 2, or not): needs torchao (the test extra)",
+    )
+    parser.add_argument(
         "--calibrate",
         action="store_true",
         help="measure the size rule on this link first (eagertp.calibrate_min_fuse_bytes, k = --dim) "
@@ -144,6 +151,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     add_sequence_parallel_arg(parser)
     return parser.parse_args(argv)
+
+
+def _float8_conversion(recipe: str):
+    """torchao's ``convert_to_float8_training`` with row-wise scaling, for
+    ``build_model`` to apply before TP (as torchtitan does)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    if recipe == "rowwise_exact_scales":
+        config = dataclasses.replace(config, round_scales_to_power_of_2=False)
+    return lambda blocks: convert_to_float8_training(blocks, config=config)
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -158,7 +178,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     mesh = DeviceMesh("cpu", list(range(world)))
     group = mesh.get_group()
-    model = build_model(args, mesh)
+    model = build_model(args, mesh, _float8_conversion(args.float8) if args.float8 else None)
     g = torch.Generator().manual_seed(0)
     x = local_input(torch.randn(args.batch, args.seq, args.dim, generator=g), args.sequence_parallel, rank, world)
 
@@ -241,6 +261,7 @@ def main(argv=None) -> int:
     print(
         f"train_step: {r['world_size']} ranks, gloo on {link}, "
         f"{'TP + SP' if r['sequence_parallel'] else 'TP without SP (all-reduces)'}, {r['layers']} blocks, "
+        f"{'float8 ' + args.float8 + ' (torchao), ' if args.float8 else ''}"
         f"batch {r['batch']}, "
         f"seq {r['seq']}, dim {r['dim']}; "
         f"{'forward under inference_mode' if args.inference else 'forward + backward'}, median of {args.repeats}"

@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -101,9 +101,16 @@ def tensor_parallel_plan(sequence_parallel: bool = True) -> dict:
     return plan
 
 
-def build_model(args: argparse.Namespace, mesh: DeviceMesh) -> nn.Module:
+def build_model(
+    args: argparse.Namespace, mesh: DeviceMesh, convert: Callable[[nn.Module], object] | None = None
+) -> nn.Module:
+    """The demo's blocks, each parallelized by ``tensor_parallel_plan``;
+    ``convert`` rewrites the blocks first (float8 training's
+    ``convert_to_float8_training``, as torchtitan applies it before TP)."""
     torch.manual_seed(0)  # the same initial weights on every rank and in both runs
     blocks = nn.Sequential(*(TransformerBlock(args.dim, args.heads) for _ in range(args.layers)))
+    if convert is not None:
+        convert(blocks)
     for block in blocks:
         # NB: getattr: callers' own namespaces (benchmarks/memory.py) may not set it.
         parallelize_module(block, mesh, tensor_parallel_plan(getattr(args, "sequence_parallel", True)))

@@ -98,13 +98,16 @@ def async_wrapper_ops() -> Iterator[list[str]]:
         yield seen
 
 
-def fusion_report(pipe, counter: OpCounter) -> dict:
-    """What a worker returns so the test can prove which path ran."""
+def fusion_report(pipe, counter: OpCounter, plain: PlainCollectives | None = None) -> dict:
+    """What a worker returns so the test can prove which path ran (and, given
+    the ``PlainCollectives`` of its plain eager run, that explain() accounts
+    for each collective plain eager issued: ``collectives_seen``)."""
     return {
         "stats": dict(pipe.stats),
         "plain_all_gathers": counter.unfused_all_gathers,
         "plain_reduce_scatters": counter.unfused_reduce_scatters,
         "p2p_ops": counter.p2p,
+        **({} if plain is None else {"collectives_seen": (collectives_seen(plain), collectives_seen(pipe))}),
     }
 
 
@@ -204,3 +207,50 @@ ROWWISE_SCALES = pytest.param(
         not _cpu_scaled_mm_takes_rowwise_scales(), reason="this torch's CPU _scaled_mm takes tensor-wise scales only"
     ),
 )
+
+
+def explained_kind(name: str) -> bool:
+    """True if explain() accounts for the c10d or funcol op ``name``
+    (Invariant 4: every all-gather, reduce-scatter and all-reduce, on a
+    managed group or passed through): ``all_reduce``, ``_allgather_base_``, ..."""
+    return name.lstrip("_").startswith(("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce"))
+
+
+class PlainCollectives(TorchDispatchMode):
+    """Lists the all-gathers, reduce-scatters and all-reduces plain eager
+    issues, after tensor subclasses desugar (DTensor's, torchao's: their ops
+    come back here on the plain tensors inside), in issue order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives: list[str] = []
+
+    def __enter__(self):
+        self.collectives = []  # per block, as explain() is
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        if any(t is not torch.Tensor and not issubclass(t, (torch.nn.Parameter, FakeTensor, FunctionalTensor)) for t in types):
+            return NotImplemented  # the subclass desugars first
+        if not any(issubclass(t, FakeTensor) for t in types) and func.namespace in ("c10d", "_c10d_functional"):
+            name = func.__name__.split(".")[0]
+            if explained_kind(name):
+                self.collectives.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def explained_collectives(pipe) -> int:
+    """How many collectives ``pipe.explain()`` accounts for: a line each, and
+    those on groups it does not manage counted on their lines."""
+    trace = pipe._engine.trace
+    return len(trace.collectives) + trace.dropped + sum(trace.passed_through.values())
+
+
+def collectives_seen(ctx) -> int:
+    """The all-gathers, reduce-scatters and all-reduces of ``ctx``'s last
+    block: those plain eager issued (``PlainCollectives``), or those the
+    pipeline's explain() accounts for."""
+    return len(ctx.collectives) if isinstance(ctx, PlainCollectives) else explained_collectives(ctx)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DTYPES, OpCounter, all_gather, async_wrapper_ops, fusion_report, integer_tensor, random_tensor
+from helpers import DTYPES, OpCounter, PlainCollectives, all_gather, async_wrapper_ops, fusion_report, integer_tensor, random_tensor
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -30,6 +30,9 @@ def _assert_fused(report: dict, *, calls: int, matmuls: int, backend: str = "rin
     assert report["stats"].get("fused_matmuls") == matmuls, report
     assert report["stats"].get("unfused_all_gather", 0) == 0, report
     assert report["plain_all_gathers"] == 0, report
+    if "collectives_seen" in report:  # no invisible collective
+        plain, explained = report["collectives_seen"]
+        assert plain == explained == calls, report
     assert_moved_by(backend, report)
 
 
@@ -39,10 +42,11 @@ def _assert_fused(report: dict, *, calls: int, matmuls: int, backend: str = "rin
 def _mm_worker(rank, group, shard_shape, n, dtype_name, integer, backend):
     dtype = DTYPES[dtype_name]
     x, (w,) = _inputs(rank, shard_shape, n, dtype, integer)
-    expected = all_gather(x, group) @ w
+    with PlainCollectives() as plain:
+        expected = all_gather(x, group) @ w
     with OpCounter() as counter, EagerMicroPipeline(backend=backend) as pipe:
         got = all_gather(x, group) @ w
-    return {"got": got, "expected": expected, **fusion_report(pipe, counter)}
+    return {"got": got, "expected": expected, **fusion_report(pipe, counter, plain)}
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -78,7 +82,8 @@ def test_reference_backend_fuses_same_pattern(pool):
 
 def _qkv_worker(rank, group):
     x, (wq, wk, wv) = _inputs(rank, (4, 16), 8, torch.float32, True, n_weights=3)
-    a = all_gather(x, group)
+    with PlainCollectives() as plain:
+        a = all_gather(x, group)
     expected = [a @ wq, a @ wk, a @ wv]
     with OpCounter() as counter, EagerMicroPipeline() as pipe:
         a = all_gather(x, group)
@@ -90,7 +95,7 @@ def _qkv_worker(rank, group):
         "scores_ok": torch.equal(scores, expected[0] @ expected[1].t()),
         "trace": pipe.debug_string(),
         "explain": pipe.explain(),
-        **fusion_report(pipe, counter),
+        **fusion_report(pipe, counter, plain),
     }
 
 

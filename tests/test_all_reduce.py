@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
-from helpers import ROWWISE_SCALES, OpCounter, all_reduce, async_wrapper_ops, device_mesh, fusion_report, integer_tensor
+from helpers import ROWWISE_SCALES, OpCounter, PlainCollectives, all_reduce, collectives_seen, async_wrapper_ops, device_mesh, fusion_report, integer_tensor
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -334,10 +334,16 @@ def _ddp_megatron_worker(rank, group, manage_every_group):
             (model(x) ** 2).sum().backward()
         return [x.grad, *(p.grad for p in model.parameters())]
 
-    expected = step(contextlib.nullcontext())
+    plain = PlainCollectives()
+    expected = step(plain)
     pipe = EagerMicroPipeline() if manage_every_group else EagerMicroPipeline(group=tp)
     got = step(pipe)
-    return {"equal": [torch.equal(g, e) for g, e in zip(got, expected)], "stats": dict(pipe.stats), "explain": pipe.explain()}
+    return {
+        "equal": [torch.equal(g, e) for g, e in zip(got, expected)],
+        "stats": dict(pipe.stats),
+        "explain": pipe.explain(),
+        "collectives_seen": (collectives_seen(plain), collectives_seen(pipe)),
+    }
 
 
 @pytest.mark.parametrize("manage_every_group", [True, False], ids=["every_group", "tp_group"])
@@ -348,6 +354,8 @@ def test_ddp_over_a_megatron_style_tp_mlp(pool, manage_every_group):
     ``group=tp`` it never does."""
     for r in pool.run(_ddp_megatron_worker, 4, manage_every_group):
         assert all(r["equal"]), r
+        plain, explained = r["collectives_seen"]  # no invisible collective
+        assert plain == explained > 0, r
         if manage_every_group:
             assert r["stats"] == {"matmul_all_reduce": 2, "unfused_all_reduce": 1, "rowwise_ops": 1}, r
             assert "f32[4096] is one row (all dims but the last), which does not split over 2 ranks" in r["explain"], r

@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import OpCounter, fusion_report, integer_tensor
+from helpers import OpCounter, PlainCollectives, explained_collectives, fusion_report, integer_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
@@ -257,7 +257,8 @@ def _buffer_program(rank, group, steps, min_fuse_bytes, small_pieces):
                 pipe.flush()
         return kept + buffers + gathered
 
-    expected = execute(None)
+    with PlainCollectives() as plain:
+        expected = execute(None)
     pipe = EagerMicroPipeline(poison=True, min_fuse_bytes=min_fuse_bytes)
 
     def run(*_):
@@ -270,7 +271,11 @@ def _buffer_program(rank, group, steps, min_fuse_bytes, small_pieces):
         got = with_small_pieces(rank, group, run)
     else:
         got = run()
-    return {"equal": [torch.equal(g, e) for g, e in zip(got, expected)], "explain": pipe.explain()}
+    return {
+        "equal": [torch.equal(g, e) for g, e in zip(got, expected)],
+        "explain": pipe.explain(),
+        "collectives_seen": (len(plain.collectives), explained_collectives(pipe)),
+    }
 
 
 # EAGERTP_BUFFER_EXAMPLES=2000 for a long run by hand.
@@ -288,6 +293,8 @@ def test_programs_that_reuse_buffers_match_plain_eager(pool, backend, steps, wor
             f"rank {rank} of {world} differs from plain eager for {steps} on {backend} "
             f"(min_fuse_bytes={min_fuse_bytes}, small_pieces={small_pieces}): {r['equal']}\n{r['explain']}"
         )
+        plain, explained = r["collectives_seen"]  # no invisible collective
+        assert plain == explained, (steps, r["collectives_seen"], r["explain"])
 
 
 def _scatter_into_its_input_worker(rank, group):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import OpCounter, fusion_report, integer_tensor
+from helpers import OpCounter, PlainCollectives, explained_collectives, fusion_report, integer_tensor
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -52,10 +52,16 @@ def _megatron_worker(rank, group, async_op, api, min_fuse_bytes=None):
         return _row_parallel(torch.relu(h), w2, group, async_op=async_op, api=scatter)
 
     # NB: gloo rejects the stacked output form NCCL accepts; eagertp takes both.
-    expected = mlp("all_gather_into_tensor" if api == "stacked" else api)
+    with PlainCollectives() as plain:
+        expected = mlp("all_gather_into_tensor" if api == "stacked" else api)
     with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:
         got = mlp(api)
-    return {"ok": torch.equal(got, expected), "explain": pipe.explain(), **fusion_report(pipe, counter)}
+    return {
+        "ok": torch.equal(got, expected),
+        "explain": pipe.explain(),
+        "collectives_seen": (len(plain.collectives), explained_collectives(pipe)),
+        **fusion_report(pipe, counter),
+    }
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -68,6 +74,7 @@ def test_megatron_style_mlp_fuses_both_collectives(pool, world, async_op, api, b
         assert r["ok"]
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1, "matmul_reduce_scatter": 1}, r
         assert r["plain_all_gathers"] == 0 and r["plain_reduce_scatters"] == 0, r
+        assert r["collectives_seen"] == (2, 2), r  # no invisible collective
         assert_moved_by(backend, r)
 
 

@@ -36,7 +36,7 @@ import functools
 
 import pytest
 import torch
-from helpers import OpCounter
+from helpers import OpCounter, PlainCollectives, collectives_seen
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -132,8 +132,8 @@ def _checkpointed_block_worker(rank, group, form):
         fns = [_checkpointed(form, block) for block in blocks]
         # NB: reentrant checkpoint returns no gradients unless an input requires grad.
         x = x_local.clone().requires_grad_()
-        counter = OpCounter()
-        with counter, pipe if pipe is not None else contextlib.nullcontext():
+        counter, block = OpCounter(), pipe if pipe is not None else PlainCollectives()
+        with counter, block:
             h = x
             for fn in fns:
                 h = fn(h)  # RowwiseParallel hands back local tensors (sequence shards)
@@ -145,12 +145,13 @@ def _checkpointed_block_worker(rank, group, form):
         phases = {"forward": dict(after_forward), "backward": dict(after_backward - after_forward)}
         grads = {f"{i}.{name}": p.grad.full_tensor() for i, b in enumerate(blocks) for name, p in b.named_parameters()}
         grads["input"] = x.grad
-        return loss.detach(), grads, phases, counter.p2p
+        return loss.detach(), grads, phases, counter.p2p, collectives_seen(block)
 
-    expected_loss, expected_grads, plain_phases, _ = step(None)
+    expected_loss, expected_grads, plain_phases, _, plain_seen = step(None)
     pipe = EagerMicroPipeline()
-    loss, grads, phases, p2p = step(pipe)
+    loss, grads, phases, p2p, seen = step(pipe)
     return {
+        "collectives_seen": (plain_seen, seen),
         "loss": (expected_loss, loss),
         "grads_differ": [
             name for name, g in grads.items() if not torch.allclose(g, expected_grads[name], rtol=1e-4, atol=1e-6)
@@ -169,6 +170,8 @@ def test_checkpointed_tp_block_leaves_no_all_gather_without_overlap(pool, form, 
         expected_loss, loss = r["loss"]
         torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
         assert not r["grads_differ"], f"gradients differ from plain eager: {r['grads_differ']}"
+        plain_seen, seen = r["collectives_seen"]  # no invisible collective
+        assert plain_seen == seen > 0, r["collectives_seen"]
         assert_moved_by(backend, r)
         for phase, (gathers, scatters) in _EXPECTED[form].items():
             gathers, scatters = LAYERS * gathers, LAYERS * scatters

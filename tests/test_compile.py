@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import all_gather, integer_tensor
+from helpers import PlainCollectives, all_gather, explained_collectives, integer_tensor
 
 from eagertp import EagerMicroPipeline
 
@@ -36,7 +36,9 @@ class CountingBackend:
 def _compiled_worker(rank, group, backend):
     x = integer_tensor((2, 4), torch.float32, seed=rank)
     w = integer_tensor((4, 3), torch.float32, seed=5)
-    expected = torch.relu(all_gather(x, group) @ w) + 1
+    with PlainCollectives() as plain:
+        expected = torch.relu(all_gather(x, group) @ w) + 1
+    assert plain.collectives == ["all_gather_into_tensor"], plain.collectives
 
     head_backend, linear_backend, block_backend = (CountingBackend(backend) for _ in range(3))
 
@@ -68,6 +70,7 @@ def _compiled_worker(rank, group, backend):
         result[name] = {
             "ok": all(torch.equal(y, expected) for y in [inside, *after]),
             "stats": dict(pipe.stats),
+            "explained": explained_collectives(pipe),  # plain eager's one gather: none invisible
             "inside": counts_inside,  # (compiles, runs): none while inside the block
             "after": backends[name].counts(),  # compiled once, ran twice, no reset
         }
@@ -85,7 +88,7 @@ def test_compiled_code_fuses_inside_and_runs_compiled_after(pool, backend):
         assert set(r) == ({"head", "block"} if backend == "inductor" else {"head", "block", "module"}), r
         for name, got in r.items():
             assert got["ok"], (name, got)
-            assert got["stats"] == FUSED_ONCE, (name, got)
+            assert got["stats"] == FUSED_ONCE and got["explained"] == 1, (name, got)
             assert got["inside"] == (0, 0), (name, got)
             assert got["after"] == (1, 2), (name, got)
 

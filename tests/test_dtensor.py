@@ -7,7 +7,7 @@ import contextlib
 import torch
 import pytest
 import torch.nn as nn
-from helpers import OpCounter, integer_tensor
+from helpers import OpCounter, PlainCollectives, collectives_seen, integer_tensor
 from symm_mem_emulation import BOTH_BACKENDS, run_on
 
 from eagertp import EagerMicroPipeline
@@ -41,10 +41,12 @@ def _colwise_rowwise_worker(rank, group):
         grads = [p.grad.full_tensor() for p in model.parameters()]
         return out, grads
 
-    expected = step(make(), contextlib.nullcontext())
+    plain = PlainCollectives()
+    expected = step(make(), plain)
     counter, pipe = OpCounter(), EagerMicroPipeline()
     got = step(make(), _both(counter, pipe))
     return {
+        "collectives_seen": (collectives_seen(plain), collectives_seen(pipe)),
         "out_ok": torch.equal(got[0], expected[0]),
         "grads_ok": [torch.equal(g, e) for g, e in zip(got[1], expected[1])],
         "stats": dict(pipe.stats),
@@ -57,6 +59,7 @@ def test_dtensor_colwise_rowwise_forward_backward(pool):
     results = pool.run(_colwise_rowwise_worker, 2)
     for r in results:
         assert r["out_ok"] and all(r["grads_ok"]), r
+        _explains_every_collective(r["collectives_seen"])
         assert r["stats"]["all_gather_matmul"] >= 1, r
         assert r["plain_gathers"] == 0, r
     print(results[0]["trace"])
@@ -72,6 +75,16 @@ def _both(outer, inner):
 # The demo's model: eagertp.demo.TransformerBlock and tensor_parallel_plan.
 
 
+def _explains_every_collective(plain, fused=None) -> None:
+    """No invisible collective (Invariant 4): explain() accounts for as many
+    all-gathers, reduce-scatters and all-reduces as plain eager issued, in
+    each block. ``plain``: (plain, fused) counts, or the plain ones."""
+    if fused is None:
+        plain, fused = plain
+    assert plain == fused, (plain, fused)
+    assert all(n > 0 for n in (plain if isinstance(plain, list) else [plain])), plain
+
+
 def _transformer_worker(rank, group, steps, min_fuse_bytes=None, batch=2):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -84,26 +97,29 @@ def _transformer_worker(rank, group, steps, min_fuse_bytes=None, batch=2):
         torch.manual_seed(0)
         model = parallelize_module(TransformerBlock(16, 4), mesh, tensor_parallel_plan())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses, grads, stats = [], [], []
+        losses, grads, stats, seen = [], [], [], []
         for step in range(steps):
             x = torch.randn(batch, 8, 16, generator=torch.Generator().manual_seed(step))
             x = x.chunk(group.size(), dim=1)[rank].contiguous()  # sequence-parallel input
-            with counter, pipe if pipe is not None else contextlib.nullcontext():
+            block = pipe if pipe is not None else PlainCollectives()
+            with counter, block:
                 out = model(x)
                 loss = out.pow(2).mean()  # RowwiseParallel hands back local tensors
                 loss.backward()
+            seen.append(collectives_seen(block))
             losses.append(loss.item())
             grads = [p.grad.full_tensor() for p in model.parameters()]
             stats.append(dict(pipe.stats) if pipe is not None else None)
             opt.step()
             opt.zero_grad()
-        return losses, grads, stats
+        return losses, grads, stats, seen
 
     counter = contextlib.nullcontext()
-    expected_losses, expected_grads, _ = train(None)
+    expected_losses, expected_grads, _, plain_seen = train(None)
     counter, pipe = OpCounter(), EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes)
-    losses, grads, stats = train(pipe)
+    losses, grads, stats, seen = train(pipe)
     return {
+        "collectives_seen": (plain_seen, seen),
         "losses": (expected_losses, losses),
         "grads_close": [torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(grads, expected_grads)],
         "stats": stats,
@@ -135,6 +151,7 @@ def test_dtensor_transformer_block_trains_with_every_tp_collective_fused(pool, w
     results = run_on(backend, pool, _transformer_worker, world, 3)
     for r in results:
         assert r["explain"].count(f"[{backend}]") == 8, r["explain"]  # the last step's 8 collectives
+        _explains_every_collective(*r["collectives_seen"])
         expected, got = r["losses"]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         assert all(r["grads_close"]), r["grads_close"]
@@ -186,9 +203,9 @@ def _inference_worker(rank, group, sequence_parallel):
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
     if sequence_parallel:
         x = x.chunk(group.size(), dim=1)[rank].contiguous()
-    with torch.inference_mode():
+    with torch.inference_mode(), PlainCollectives() as plain:
         expected = model(x)
-    report = {}
+    report = {"plain_collectives": collectives_seen(plain)}
     for grad_mode in (torch.no_grad, torch.inference_mode):
         counter, pipe = OpCounter(), EagerMicroPipeline()
         with grad_mode(), counter, pipe:
@@ -197,6 +214,7 @@ def _inference_worker(rank, group, sequence_parallel):
             "close": torch.allclose(got, expected, rtol=1e-5, atol=1e-6),
             "stats": dict(pipe.stats),
             "issued": [op for op in counter.collectives if op not in ("send", "recv_")],
+            "collectives_seen": collectives_seen(pipe),
         }
     return report
 
@@ -217,6 +235,8 @@ def test_dtensor_inference_fuses_every_tp_collective(pool, sequence_parallel, st
     the same collectives (attention's and the MLP's), with plain eager's output."""
     for r in pool.run(_inference_worker, 2, sequence_parallel):
         for grad_mode in ("no_grad", "inference_mode"):
+            seen = r[grad_mode].pop("collectives_seen")
+            _explains_every_collective(r["plain_collectives"], seen)
             assert r[grad_mode] == {"close": True, "stats": stats, "issued": []}, (grad_mode, r)
 
 
@@ -237,10 +257,12 @@ def _autocast_transformer_worker(rank, group, min_fuse_bytes=None):
             loss.backward()
         return loss.detach(), [p.grad.full_tensor() for p in model.parameters()]
 
-    expected = step(contextlib.nullcontext())
+    plain = PlainCollectives()
+    expected = step(plain)
     pipe = EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes)
     got = step(pipe)
     return {
+        "collectives_seen": (collectives_seen(plain), collectives_seen(pipe)),
         "loss": (expected[0], got[0]),
         "grads_close": [torch.allclose(g, e, rtol=2e-2, atol=1e-2) for g, e in zip(got[1], expected[1])],
         "stats": dict(pipe.stats),
@@ -252,6 +274,7 @@ def _autocast_transformer_worker(rank, group, min_fuse_bytes=None):
 def test_dtensor_transformer_under_bf16_autocast_fuses_every_tp_collective(pool, backend):
     for r in run_on(backend, pool, _autocast_transformer_worker, 2):
         assert r["explain"].count(f"[{backend}]") == 8, r["explain"]
+        _explains_every_collective(r["collectives_seen"])
         torch.testing.assert_close(r["loss"][1], r["loss"][0], rtol=1e-3, atol=1e-3)
         assert all(r["grads_close"]), r["grads_close"]
         # NB: the bias gradient (a sum over the gathered rows) is computed once the gather lands.
@@ -286,12 +309,16 @@ def _whole_step_worker(rank, group, sequence_parallel):
                 opt.step()
                 opt.zero_grad()
             stats.append(dict(ctx.stats) if isinstance(ctx, EagerMicroPipeline) else None)
+            seen.append(collectives_seen(ctx))
         return torch.stack(norms), [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()], stats
 
-    expected_norms, expected_params, _ = train(contextlib.nullcontext())
+    seen: list[int] = []
+    expected_norms, expected_params, _ = train(PlainCollectives())
+    plain_seen, seen = seen, []
     pipe = EagerMicroPipeline()
     norms, params, stats = train(pipe)
     return {
+        "collectives_seen": (plain_seen, seen),
         "norms": (expected_norms, norms),
         "params_close": [torch.allclose(p, e, rtol=1e-4, atol=1e-6) for p, e in zip(params, expected_params)],
         "stats": stats,
@@ -322,6 +349,7 @@ def test_dtensor_whole_step_with_clipping_and_adamw_inside_the_block(pool, seque
     as written with their reason; norms and trained weights are plain eager's."""
     for r in pool.run(_whole_step_worker, 2, sequence_parallel):
         torch.testing.assert_close(r["norms"][1], r["norms"][0], rtol=1e-5, atol=1e-6)
+        _explains_every_collective(r["collectives_seen"])
         assert all(r["params_close"]), r["params_close"]
         assert r["stats"] == [stats] * 3, r["stats"]
         for meta, count in unfused.items():
@@ -339,10 +367,12 @@ def _full_grads(model: nn.Module) -> list[torch.Tensor]:
 def _against_plain_eager(grads_of) -> dict:
     """``grads_of(ctx)`` run plainly, then with ``ctx`` an ``EagerMicroPipeline``:
     whether each gradient matches, and the block's stats."""
-    expected = grads_of(contextlib.nullcontext())
+    plain = PlainCollectives()
+    expected = grads_of(plain)
     pipe = EagerMicroPipeline()
     got = grads_of(pipe)
     return {
+        "collectives_seen": (collectives_seen(plain), collectives_seen(pipe)),
         "grads_close": [torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(got, expected)],
         "stats": dict(pipe.stats),
         "explain": pipe.explain(),
@@ -387,6 +417,7 @@ def test_dtensor_gradient_accumulation_in_one_block(pool, sequence_parallel, sta
     earlier backwards left, as in plain eager; every TP collective fuses."""
     for r in pool.run(_accumulation_worker, 2, sequence_parallel):
         assert all(r["grads_close"]), r["grads_close"]
+        _explains_every_collective(r["collectives_seen"])
         assert r["stats"] == stats, r["stats"]
 
 
@@ -437,4 +468,5 @@ def test_dtensor_double_backward_through_fused_collectives(pool, sequence_parall
     differentiated again: the second-order gradients are plain eager's."""
     for r in pool.run(_double_backward_worker, 2, sequence_parallel):
         assert all(r["grads_close"]), r["grads_close"]
+        _explains_every_collective(r["collectives_seen"])
         assert r["stats"] == stats, r["stats"]

@@ -29,7 +29,7 @@ import collections
 import contextlib
 
 import torch
-from helpers import GroupOpCounter, device_mesh
+from helpers import GroupOpCounter, device_mesh, explained_collectives, explained_kind
 
 from eagertp import EagerMicroPipeline
 from eagertp.backends.ring import own_group_name
@@ -95,7 +95,8 @@ def _fsdp_tp_worker(rank, group):
             for (g, op), n in counter.by_group.items():
                 per_group[f"{names.get(g, g)}:{_kind(op)}"] += n
             steps.append({"collectives": dict(per_group), "stats": dict(pipe.stats) if pipe else {},
-                          "explain": pipe.explain() if pipe else ""})
+                          "explain": pipe.explain() if pipe else "",
+                          "explained": explained_collectives(pipe) if pipe else None})
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach().clone())
@@ -134,6 +135,8 @@ def test_fsdp2_and_tp_on_a_2x2_mesh(pool):
             assert tp_gathers == 4 * LAYERS and tp_scatters == 4 * LAYERS, info
             assert stats.get("unfused_all_gather", 0) == 0, info
             assert stats.get("unfused_reduce_scatter", 0) == 0, info
+            # No invisible collective: explain() accounts for tp's and dp's (passed through).
+            assert fused["explained"] == sum(n for k, n in pc.items() if explained_kind(k.split(":")[1])), info
             assert stats.get("all_gather_matmul", 0) >= tp_gathers, info
             assert stats.get("matmul_reduce_scatter", 0) >= tp_scatters, info
             assert fc.get("tp:all_gather", 0) == 0 and fc.get("tp:reduce_scatter", 0) == 0, info

@@ -33,7 +33,7 @@ import os
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from helpers import OpCounter
+from helpers import OpCounter, explained_collectives, explained_kind
 from multirank import WORLD
 
 from eagertp import EagerMicroPipeline
@@ -155,6 +155,7 @@ def _compare_step(model, in_pieces: bool = False, batch: int = 2) -> dict:
         "explain": pipe.explain(),
         "eager_collectives": dict(collections.Counter(eager_counter.collectives)),
         "collectives": dict(collections.Counter(counter.collectives)),
+        "explained": explained_collectives(pipe),
     }
 
 
@@ -206,6 +207,9 @@ def _check_common(reports, family: str) -> None:
         assert len(r["compared"]) > 10, (family, r["compared"])  # logits, loss and the gradients
         assert "all_reduce" not in r["collectives"] and "all_gather_into_tensor" not in r["collectives"], (family, r)
         assert r["collectives"]["send"] > 0, (family, r)
+        # No invisible collective: explain() accounts for each that plain eager issued.
+        eager = sum(n for name, n in r["eager_collectives"].items() if explained_kind(name))
+        assert r["explained"] == eager > 0, (family, r["eager_collectives"], r["explain"])
 
 
 def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(hf_reports):

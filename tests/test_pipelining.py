@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn as nn
-from helpers import OpCounter, device_mesh
+from helpers import OpCounter, device_mesh, explained_collectives
 
 from eagertp import EagerMicroPipeline
 
@@ -79,6 +79,7 @@ def _pp_tp_worker(rank, group, schedule_name, sequence_parallel, manage):
             "all_reduce": fused.counts["_c10d_functional.all_reduce.default"],
         },
         "explain": pipe.explain(),
+        "explained": explained_collectives(pipe),
     }
 
 
@@ -107,5 +108,7 @@ def test_pipeline_stages_of_tp_blocks(pool, schedule_name, sequence_parallel, ma
             assert plain["all_reduce"] > 0 and not plain["all_gather"] and not plain["reduce_scatter"], plain
             assert stats["matmul_all_reduce"] == plain["all_reduce"], (stats, plain)
         assert not any(key.startswith("unfused") for key in stats), stats
+        # No invisible collective: explain() accounts for each one plain eager issued.
+        assert r["explained"] == plain["all_gather"] + plain["reduce_scatter"] + plain["all_reduce"], r
         assert r["fused_run"] == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}, r["fused_run"]
         assert "not fused" not in r["explain"] and "passed through" not in r["explain"], r["explain"]

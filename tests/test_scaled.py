@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
-    FP8, ROWWISE_SCALES, OpCounter, all_gather, col_major, fp8_scales, fp8_tensor, fusion_report, integer_tensor,
+    FP8, ROWWISE_SCALES, OpCounter, PlainCollectives, all_gather, col_major, fp8_scales, fp8_tensor, fusion_report, integer_tensor,
     reduce_scatter,
 )
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
@@ -34,10 +34,14 @@ def _gather_scaled_worker(rank, group, scales, out_dtype_name, bias):
         g = all_gather(x.view(torch.uint8), group).view(FP8)
         return torch._scaled_mm(g, w, scale_a, scale_b, bias=b, out_dtype=out_dtype)
 
-    expected = program()
+    with PlainCollectives() as plain:
+        expected = program()
     with OpCounter() as counter, EagerMicroPipeline() as pipe:
         got = program()
-    return {"ok": torch.equal(got, expected), "dtype": str(got.dtype), "trace": pipe.debug_string(), **fusion_report(pipe, counter)}
+    return {
+        "ok": torch.equal(got, expected), "dtype": str(got.dtype), "trace": pipe.debug_string(),
+        **fusion_report(pipe, counter, plain),
+    }
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -50,6 +54,7 @@ def test_all_gather_scaled_matmul(pool, world, scales, out_dtype, bias, backend)
         assert r["ok"], r
         assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
         assert r["plain_all_gathers"] == 0, r
+        assert r["collectives_seen"] == (1, 1), r  # no invisible collective
         assert_moved_by(backend, r)
 
 
@@ -72,10 +77,11 @@ def _scaled_reduce_scatter_worker(rank, group, scales, scatter_dim):
         y = torch._scaled_mm(a, w, scale_a, scale_b, out_dtype=torch.float32)
         return reduce_scatter(y, group, "sum", scatter_dim)
 
-    expected = program()
+    with PlainCollectives() as plain:
+        expected = program()
     with OpCounter() as counter, EagerMicroPipeline() as pipe:
         got = program()
-    return {"ok": torch.equal(got, expected), **fusion_report(pipe, counter)}
+    return {"ok": torch.equal(got, expected), **fusion_report(pipe, counter, plain)}
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -87,6 +93,7 @@ def test_scaled_matmul_reduce_scatter(pool, world, scales, scatter_dim, backend)
         assert r["ok"], r
         assert r["stats"] == {"matmul_reduce_scatter": 1}, r
         assert r["plain_reduce_scatters"] == 0, r
+        assert r["collectives_seen"] == (1, 1), r  # no invisible collective
         assert_moved_by(backend, r)
 
 

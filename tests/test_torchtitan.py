@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import device_mesh
+from helpers import PlainCollectives, collectives_seen, device_mesh
 
 from eagertp import EagerMicroPipeline
 
@@ -70,18 +70,20 @@ def _titan_worker(rank, group, batch):
     ids = torch.randint(0, VOCAB, (batch, 16), generator=g)
     labels = torch.randint(0, VOCAB, (batch, 16), generator=g)
 
-    def step(pipe):
+    def step(block):
         model.zero_grad()
-        with loss_parallel(), pipe if pipe is not None else contextlib.nullcontext():
+        with loss_parallel(), block:
             pred = model(ids)
             loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
             loss.backward()
         return loss.detach().full_tensor(), [p.grad.full_tensor() for p in model.parameters()]
 
-    expected = step(None)
+    plain = PlainCollectives()
+    expected = step(plain)
     pipe = EagerMicroPipeline()
     got = step(pipe)
     return {
+        "collectives_seen": (collectives_seen(plain), collectives_seen(pipe)),
         "loss": (expected[0], got[0]),
         "grads_close": [torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(got[1], expected[1])],
         "stats": dict(pipe.stats),
@@ -119,6 +121,8 @@ def test_torchtitan_llama_plan_with_loss_parallel(pool, world, batch):
     for r in pool.run(_titan_worker, world, batch):
         torch.testing.assert_close(r["loss"][1], r["loss"][0], rtol=1e-5, atol=1e-6)
         assert all(r["grads_close"]), r["grads_close"]
+        plain, explained = r["collectives_seen"]  # no invisible collective
+        assert plain == explained > 0, r["collectives_seen"]
         assert r["stats"] == _STATS, r
         lines = r["explain"].splitlines()
         assert sum(" fused with " in line for line in lines) == 18, r["explain"]
@@ -159,23 +163,25 @@ def _titan_fsdp_worker(rank, group, steps=2):
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses, stats = [], []
+        losses, stats, seen = [], [], []
         for step in range(steps):
             ids, labels = batch(step)
-            pipe = EagerMicroPipeline(group=tp_group) if use_eagertp else contextlib.nullcontext()
+            pipe = EagerMicroPipeline(group=tp_group) if use_eagertp else PlainCollectives()
             with loss_parallel(), pipe:
                 loss = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(0, 1))
                 loss.backward()
             losses.append(loss.detach().full_tensor())
             stats.append(dict(pipe.stats) if use_eagertp else {})
+            seen.append(collectives_seen(pipe))
             opt.step()
             opt.zero_grad()
         params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-        return losses, params, stats, pipe.explain() if use_eagertp else ""
+        return losses, params, stats, pipe.explain() if use_eagertp else "", seen
 
     plain = train(False)
     fused = train(True)
     return {
+        "collectives_seen": (plain[4], fused[4]),
         "losses": (plain[0], fused[0]),
         "params_close": {n: torch.allclose(fused[1][n], p, rtol=1e-4, atol=1e-5) for n, p in plain[1].items()},
         "stats": fused[2],
@@ -205,6 +211,9 @@ def test_torchtitan_stack_fsdp2_tp_checkpointing_loss_parallel(pool):
     for r in pool.run(_titan_fsdp_worker, 4):
         torch.testing.assert_close(r["losses"][1], r["losses"][0], rtol=1e-5, atol=1e-6)
         assert all(r["params_close"].values()), r["params_close"]
+        # No invisible collective: tp's and FSDP's on dp (passed through), each step.
+        plain, explained = r["collectives_seen"]
+        assert plain == explained and min(plain) > 0, r["collectives_seen"]
         assert r["stats"] == [_STACK_STATS] * 2, r["stats"]
         unfused = [line for line in r["explain"].splitlines() if "not fused" in line]
         norms = "not fused: f32[16] is one row (all dims but the last), which does not split over 2 ranks"
