@@ -138,14 +138,22 @@ class CollectiveRecord:
             roles = [f"fused with {_join(self.fused_with)}"] if self.fused_with else []
             if self.scale_of:
                 roles.append(f"fused as scale_a of {_join(self.scale_of)}")
-            if self.then_fused_with:
-                what = "its all-gather half" if self.kind.startswith("all_reduce") else "then the gathered tensor"
-                roles.append(f"{what} fused with {_join(self.then_fused_with)}")
+            roles += self._then()
             return f"{head}: {'; '.join(roles)} [{self.backend}]"
         if self.reason is None:
             return f"{head}: in flight" + (f" [{self.backend}]" if self.backend else "")
         via = f" [{self.backend}]" if self.backend else ""
-        return f"{head}: not fused{via}: {self.reason}"
+        # NB: an all-reduce whose input is no product still leaves its gather
+        # half in flight, which later ops may fuse with (HF's embedding
+        # all-reduce, read by the first norm and q, k, v).
+        return "; ".join([f"{head}: not fused{via}: {self.reason}", *self._then()])
+
+    def _then(self) -> list[str]:
+        """What the gathered tensor fused with, once completed."""
+        if not self.then_fused_with:
+            return []
+        what = "its all-gather half" if self.kind.startswith("all_reduce") else "then the gathered tensor"
+        return [f"{what} fused with {_join(self.then_fused_with)}"]
 
     __str__ = render
 

@@ -71,14 +71,14 @@ CASES = {
     "sum": (lambda g, x, w, r: g.sum(2, keepdim=True), ["sum.dim_IntList"]),
     "amax": (lambda g, x, w, r: g.amax(-1, keepdim=True), ["amax.default"]),
     "amin": (lambda g, x, w, r: g.amin(-1, keepdim=True), ["amin.default"]),
-    "layer_norm": (lambda g, x, w, r: aten.native_layer_norm(g, [D], w, w + 1, 1e-5), ["native_layer_norm.default"]),
+    "layer_norm": (lambda g, x, w, r: aten.native_layer_norm(g, [g.shape[-1]], w, w + 1, 1e-5), ["native_layer_norm.default"]),
     "fused_rms_norm": (  # composite: decomposed before it reaches the table
-        lambda g, x, w, r: aten._fused_rms_norm(g, [D], w, 1e-6),
+        lambda g, x, w, r: aten._fused_rms_norm(g, [g.shape[-1]], w, 1e-6),
         ["pow.Tensor_Scalar", "mean.dim", "add_.Scalar", "rsqrt.default", "mul.Tensor", "mul.Tensor"],
     ),
     "layer_norm_backward": (
         lambda g, x, w, r: aten.native_layer_norm_backward(
-            g, x, [D], x.mean(-1, keepdim=True), _abs1(r), w, w + 1, [True, True, True]
+            g, x, [g.shape[-1]], x.mean(-1, keepdim=True), _abs1(r), w, w + 1, [True, True, True]
         ),
         ["native_layer_norm_backward.default", "native_layer_norm_backward.default"],
     ),
@@ -93,7 +93,7 @@ CASES = {
         ["mul.Tensor", "add_.Scalar", "mul_.Scalar", "sub_.Scalar", "div_.Scalar"],
     ),
     "rms_norm": (
-        lambda g, x, w, r: F.rms_norm(g, [D], w, 1e-6),
+        lambda g, x, w, r: F.rms_norm(g, [g.shape[-1]], w, 1e-6),
         ["pow.Tensor_Scalar", "mean.dim", "add_.Scalar", "rsqrt.default", "mul.Tensor", "mul.Tensor"],
     ),
     "hf_rms_norm": (  # LlamaRMSNorm.forward, from bf16
@@ -102,7 +102,7 @@ CASES = {
          "mul.Tensor", "_to_copy.default", "mul.Tensor"],
     ),
     "layer_norm_composite": (
-        lambda g, x, w, r: F.layer_norm(x + g, [D], w, w), ["add.Tensor", "native_layer_norm.default"]
+        lambda g, x, w, r: F.layer_norm(x + g, [g.shape[-1]], w, w), ["add.Tensor", "native_layer_norm.default"]
     ),
     "roundings": (
         lambda g, x, w, r: (lambda h: (h.floor(), h.ceil(), h.trunc(), h.round(), h.sign()))(g / 3),
@@ -180,17 +180,10 @@ def test_the_table_promise_rows_anywhere_give_the_same_bits(case):
     for dtype, trial in itertools.product((torch.float32, torch.bfloat16, torch.float16), range(4)):
         rows = int(torch.randint(2, 40, (1,), generator=gen))
         d = int(torch.randint(1, 70, (1,), generator=gen))
-        global D
-        saved, D = D, d
-        try:
-            g, x, w, r = _operands(dtype, (1, rows, d), seed=trial)
-            whole = _as_list(program(g, x, w, r))
-            cut = int(torch.randint(1, rows, (1,), generator=gen))
-            parts = [
-                _as_list(program(g[:, s], x[:, s], w, r[:, s])) for s in (slice(0, cut), slice(cut, rows))
-            ]
-        finally:
-            D = saved
+        g, x, w, r = _operands(dtype, (1, rows, d), seed=trial)
+        whole = _as_list(program(g, x, w, r))
+        cut = int(torch.randint(1, rows, (1,), generator=gen))
+        parts = [_as_list(program(g[:, s], x[:, s], w, r[:, s])) for s in (slice(0, cut), slice(cut, rows))]
         for i, want in enumerate(whole):
             if want.dim() == 3:  # rows: the parts, concatenated
                 got = torch.cat([p[i] for p in parts], 1)
@@ -526,3 +519,27 @@ def test_a_sum_of_bound_matmuls_is_reduce_scattered_from_its_products(pool):
         assert r["equal"], r
         assert r["stats"] == {"matmul_reduce_scatter": 1, "unfused_all_gather": 2}, r
         assert r["trace"].count("unbound: aten.add.Tensor takes it whole") == 2, r["trace"]
+
+
+def _not_a_product_worker(rank, group):
+    """An all-reduce of a tensor no matmul made (HF's vocab-parallel
+    embedding: masked lookups) is issued as written, yet its gather half
+    stays in flight: the norm after it runs row by row, the matmul binds."""
+    x = integer_tensor((B * S, D), torch.float32, seed=rank)
+    w = integer_tensor((D,), torch.float32, seed=9)
+
+    def run():
+        g = all_reduce(x * 2, group)
+        return F.layer_norm(g, [D], w, None) @ torch.ones(D, 4)
+
+    got, expected, pipe = _plain_then_fused(run)
+    return {"ok": torch.allclose(got, expected), "stats": dict(pipe.stats), "explain": pipe.explain()}
+
+
+def test_an_all_reduce_issued_as_written_says_what_its_gather_half_fused_with(pool):
+    for r in pool.run(_not_a_product_worker, 2, timeout=60):
+        assert r["ok"], r
+        assert r["stats"] == {"unfused_all_reduce": 1, "rowwise_ops": 1, "all_gather_matmul": 1, "fused_matmuls": 1}, r
+        (line,) = r["explain"].splitlines()
+        assert "not fused [ring]: its input is not the pending output of a matmul; its all-gather half fused with " \
+               "native_layer_norm (row by row) -> mm -> $" in line, line
