@@ -54,6 +54,7 @@ from eagertp.deferred import (
 )
 from eagertp.patterns import AllGatherMatmulPlan, gather_signature, gathered_product, shard_producer
 from eagertp.trace import CollectiveRecord, Meta, Reason, Text, Trace
+from eagertp.unseen import Unseen
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class Engine:
         # The latest trace id recorded before the latest collective on a managed
         # group: products up to it are past their collective (Note [Products past their collective]).
         self.before_collective = -1
+        # Communication on managed groups the mode did not see (Note [Collectives
+        # the mode did not see] in eagertp.unseen).
+        self.unseen = Unseen()
 
     def reset(self) -> None:
         self.stats.clear()
@@ -111,6 +115,7 @@ class Engine:
         self.matmul_work = 0
         self._deferral_bytes.clear()
         self.before_collective = -1
+        self.unseen.reset()
 
     def _never_fused_below(self, device_type: str) -> int:
         """Matmul outputs smaller than this (bytes, in the widest cast) can feed
@@ -139,12 +144,20 @@ class Engine:
         if not self.manages(group):
             self.trace.pass_through(func, group_str(group))
             return None
+        self.record_unseen(self.unseen.check(group))
         if group_size != group.size():
             raise ValueError(
                 f"{func}: group_size={group_size} but {group_str(group)} has "
                 f"{group.size()} ranks; pass the group's size"
             )
         return group
+
+    def record_unseen(self, found: list[tuple[int, str]]) -> None:
+        """explain()'s lines and the stats for communication the mode did not
+        see (Note [Collectives the mode did not see] in eagertp.unseen)."""
+        for n, line in found:
+            self.trace.unseen.append(line)
+            self.stats["unseen_operations"] += n
 
     def issuing_work(self) -> _IssuingWork:
         """Ops issued inside pass through the mode, and fill placeholders below
@@ -938,6 +951,7 @@ class Engine:
             with self.issuing_work():
                 check_ranks_agree(signature, group)
         result = func(*args, **kwargs)
+        self.unseen.refresh()  # NB: the group counted it
         dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
         if isinstance(dst, list):  # raw c10d's all-reduce: ([tensor], work)
             (dst,) = dst
@@ -974,16 +988,21 @@ class _IssuingWork:
         self.engine = engine
 
     def __enter__(self) -> None:
+        engine = self.engine
+        if not engine.issuing and engine.unseen.known:  # Note [Collectives the mode did not see]
+            engine.record_unseen(engine.unseen.check_all())
         self.below_autograd = torch._C._AutoDispatchBelowADInplaceOrView()
         self.below_autograd.__enter__()
-        engine = self.engine
         self.was_issuing, engine.issuing = engine.issuing, True
 
     def __exit__(self, *exc) -> None:
         try:
             self.below_autograd.__exit__(*exc)
         finally:
-            self.engine.issuing = self.was_issuing
+            engine = self.engine
+            engine.issuing = self.was_issuing
+            if not engine.issuing and engine.unseen.known:
+                engine.unseen.refresh()
 
 
 def _rows_of_own_gather(gather: PendingGather, view: GatheredView, a: torch.Tensor, scale_a: torch.Tensor) -> bool:

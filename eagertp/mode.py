@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import eagertp.collectives.all_gather  # noqa: F401
 import eagertp.collectives.all_reduce  # noqa: F401
 import eagertp.collectives.c10d  # noqa: F401
+import eagertp.collectives.other  # noqa: F401
 import eagertp.collectives.reduce_scatter  # noqa: F401
 import eagertp.collectives.torch_symm_mem  # noqa: F401
 import eagertp.matmuls  # noqa: F401
@@ -83,6 +84,7 @@ class EagerTPMode(TorchDispatchMode):
             if any(issubclass(t, _PASS_THROUGH) for t in types):
                 return func(*args, **kwargs)
             if any(_has_dispatch_override(t) for t in types):
+                engine.unseen.handed = (types, func)  # Note [Collectives the mode did not see]
                 return NotImplemented  # Note [Subclasses desugar first]
         if engine.issuing:
             return func._op(*args, **kwargs)

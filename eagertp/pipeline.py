@@ -98,7 +98,11 @@ class EagerMicroPipeline:
             ``unfused_all_gather`` (overlapped nothing),
             ``unfused_reduce_scatter`` and ``unfused_all_reduce``, each not fused with a reason in
             ``explain()``; ``matmul_all_gather`` (gathers whose shard the
-            product made piece by piece as it was sent: Note [Matmul + all-gather]).
+            product made piece by piece as it was sent: Note [Matmul + all-gather]);
+            ``rowwise_ops`` (ops run row by row on gathers' chunks: Note [Row-wise
+            ops on gathered rows]); ``unseen_operations`` (communication on a
+            managed group the mode did not see: Note [Collectives the mode did
+            not see]).
     """
 
     def __init__(
@@ -164,6 +168,8 @@ class EagerMicroPipeline:
         try:
             reason = "block exited" if exc is None else f"block exited by {exc_type.__name__}"
             self._engine.flush(reason)
+            # Note [Collectives the mode did not see]
+            self._engine.record_unseen(self._engine.unseen.check_all())
         except Exception:
             if exc is None:
                 raise

@@ -171,6 +171,9 @@ class Trace:
         # (op, group) -> count: collectives on groups the pipeline does not
         # manage, passed through untouched (bounded by the program's ops x groups).
         self.passed_through: collections.Counter[tuple[str, str]] = collections.Counter()
+        # Communication on managed groups the mode did not see (Note
+        # [Collectives the mode did not see] in eagertp.unseen), one line each.
+        self.unseen: list[str] = []
 
     def event(self, render: str | Callable[..., str], *args: Any) -> None:
         """Record ``render(*args)`` (or ``render.format(*args)`` for a template);
@@ -225,6 +228,7 @@ class Trace:
             lines = self._summary() if summary else [r.render() for r in self.collectives]
         if self.dropped:
             lines.insert(0, f"({self.dropped} earlier records dropped)")
+        lines += self.unseen
         # NB: a group= that names another group than the program's collectives
         # use fuses nothing; these lines say which groups those were.
         lines += [
