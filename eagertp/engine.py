@@ -115,7 +115,8 @@ class Engine:
         self.matmul_work = 0
         self._deferral_bytes.clear()
         self.before_collective = -1
-        self.unseen.reset()
+        if self.unseen.known or self.unseen.handed:
+            self.unseen.reset()
 
     def _never_fused_below(self, device_type: str) -> int:
         """Matmul outputs smaller than this (bytes, in the widest cast) can feed
@@ -144,7 +145,9 @@ class Engine:
         if not self.manages(group):
             self.trace.pass_through(func, group_str(group))
             return None
-        self.record_unseen(self.unseen.check(group))
+        found = self.unseen.check(group)
+        if found:
+            self.record_unseen(found)
         if group_size != group.size():
             raise ValueError(
                 f"{func}: group_size={group_size} but {group_str(group)} has "
@@ -152,10 +155,10 @@ class Engine:
             )
         return group
 
-    def record_unseen(self, found: list[tuple[int, str]]) -> None:
+    def record_unseen(self, found: list[tuple[int, str]] | None) -> None:
         """explain()'s lines and the stats for communication the mode did not
         see (Note [Collectives the mode did not see] in eagertp.unseen)."""
-        for n, line in found:
+        for n, line in found or ():
             self.trace.unseen.append(line)
             self.stats["unseen_operations"] += n
 
@@ -990,7 +993,9 @@ class _IssuingWork:
     def __enter__(self) -> None:
         engine = self.engine
         if not engine.issuing and engine.unseen.known:  # Note [Collectives the mode did not see]
-            engine.record_unseen(engine.unseen.check_all())
+            found = engine.unseen.check_all()
+            if found:
+                engine.record_unseen(found)
         self.below_autograd = torch._C._AutoDispatchBelowADInplaceOrView()
         self.below_autograd.__enter__()
         self.was_issuing, engine.issuing = engine.issuing, True

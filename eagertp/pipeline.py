@@ -168,8 +168,8 @@ class EagerMicroPipeline:
         try:
             reason = "block exited" if exc is None else f"block exited by {exc_type.__name__}"
             self._engine.flush(reason)
-            # Note [Collectives the mode did not see]
-            self._engine.record_unseen(self._engine.unseen.check_all())
+            if self._engine.unseen.known:  # Note [Collectives the mode did not see]
+                self._engine.record_unseen(self._engine.unseen.check_all())
         except Exception:
             if exc is None:
                 raise

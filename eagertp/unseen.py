@@ -45,11 +45,12 @@ def _sequence_number(group: dist.ProcessGroup) -> int | None:
 
 
 class Unseen:
-    """The watch (Note [Collectives the mode did not see]): per managed group,
-    the operation count eagertp last knew of."""
+    """The watch (Note [Collectives the mode did not see]): per managed group
+    that numbers its operations, the count eagertp last knew of."""
 
     def __init__(self) -> None:
-        self.known: dict[dist.ProcessGroup, int | None] = {}
+        self.known: dict[dist.ProcessGroup, int] = {}
+        self._unnumbered: set[dist.ProcessGroup] = set()
         # (types, op) of the last op the mode handed to a tensor subclass since
         # unseen communication was last found: what likely issued the next.
         self.handed: tuple | None = None
@@ -58,25 +59,38 @@ class Unseen:
         self.known.clear()
         self.handed = None
 
-    def check(self, group: dist.ProcessGroup) -> list[tuple[int, str]]:
+    def check(self, group: dist.ProcessGroup) -> list[tuple[int, str]] | None:
         """Before eagertp issues anything on ``group`` (watched from now on):
         the operations that ran on it unseen since its count was last known,
-        as ``(how many, explain()'s line)``."""
+        as ``(how many, explain()'s line)``, or None."""
         known = self.known.get(group)
-        now = self.known[group] = _sequence_number(group)
-        if known is None or now is None or now <= known:
-            return []
-        return [self._found(group, now - known)]
+        if known is None:
+            if group not in self._unnumbered:
+                now = _sequence_number(group)
+                if now is None:
+                    self._unnumbered.add(group)
+                else:
+                    self.known[group] = now
+            return None
+        now = self.known[group] = group._get_sequence_number_for_group()
+        return None if now == known else [self._found(group, now - known)]
 
-    def check_all(self) -> list[tuple[int, str]]:
+    def check_all(self) -> list[tuple[int, str]] | None:
         """Before eagertp issues anything: every watched group."""
-        return [f for group in list(self.known) for f in self.check(group)]
+        found = None
+        known = self.known
+        for group, count in known.items():
+            now = known[group] = group._get_sequence_number_for_group()
+            if now != count:
+                found = (found or []) + [self._found(group, now - count)]
+        return found
 
     def refresh(self) -> None:
         """eagertp communicated (or the mode saw a communication op): the
         counts from now on are known."""
-        for group in self.known:
-            self.known[group] = _sequence_number(group)
+        known = self.known
+        for group in known:
+            known[group] = group._get_sequence_number_for_group()
 
     def _found(self, group: dist.ProcessGroup, n: int) -> tuple[int, str]:
         if self.handed is not None:

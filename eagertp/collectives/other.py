@@ -39,7 +39,9 @@ def _overloads() -> list[torch._ops.OpOverload]:
 def _other_communication(engine: Engine, func, args, kwargs):
     watch = engine.unseen
     if watch.known:
-        engine.record_unseen(watch.check_all())
+        found = watch.check_all()
+        if found:
+            engine.record_unseen(found)
     result = engine.run_plain(func, args, kwargs) if engine.store.items else func._op(*args, **kwargs)
     if watch.known:
         watch.refresh()
