@@ -956,8 +956,10 @@ class Engine:
         result = func(*args, **kwargs)
         self.unseen.refresh()  # NB: the group counted it
         dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
-        if isinstance(dst, list):  # raw c10d's all-reduce: ([tensor], work)
-            (dst,) = dst
+        while isinstance(dst, list):  # raw c10d's all-reduce: ([tensor], work); list forms: their first
+            dst = dst[0]
+        if not isinstance(dst, torch.Tensor):  # a coalesced form's Work: its tensors are written in place
+            dst = src
         # NB: marks no product past its collective: one issued as written
         # took none (Note [Products past their collective]).
         record = self.new_record(kind, src, dst, group, marks_past=False)

@@ -112,3 +112,44 @@ def test_work_future_returns_the_output_buffer(pool):
     for r in pool.run(_future_worker, 2):
         assert r["same_buffer"] and r["ok"]
         assert r["stats"] == {"unfused_all_gather": 1}
+
+
+def _list_forms_worker(rank, group):
+    """The list and coalesced forms of the collectives (``dist.all_gather``
+    into a list, ``dist.reduce_scatter`` from one, ``all_reduce_coalesced``):
+    eagertp fuses only the single-tensor forms, so they run as written, each
+    with its explain() line and reason (Invariant 4)."""
+    from helpers import PlainCollectives, collectives_seen
+
+    x = integer_tensor((4, 8), torch.float32, seed=rank)
+    world = group.size()
+
+    def program():
+        gathered = [torch.empty(4, 8) for _ in range(world)]
+        dist.all_gather(gathered, x, group=group)
+        scattered = torch.empty(4, 8)
+        dist.reduce_scatter(scattered, [x * (i + 1) for i in range(world)], group=group)
+        a, b = x.clone(), x * 2
+        dist.all_reduce_coalesced([a, b], group=group)
+        return [*gathered, scattered, a, b]
+
+    with PlainCollectives() as plain:
+        expected = program()
+    with EagerMicroPipeline() as pipe:
+        got = program()
+    return {
+        "equal": [torch.equal(g, e) for g, e in zip(got, expected)],
+        "stats": dict(pipe.stats),
+        "explain": pipe.explain(),
+        "collectives_seen": (collectives_seen(plain), collectives_seen(pipe)),
+    }
+
+
+def test_list_and_coalesced_forms_run_as_written_and_are_explained(pool):
+    for r in pool.run(_list_forms_worker, 2, timeout=60):
+        assert all(r["equal"]), r
+        assert r["collectives_seen"] == (3, 3), r
+        assert r["stats"] == {"unfused_all_gather": 1, "unfused_reduce_scatter": 1, "unfused_all_reduce": 1}, r
+        lines = r["explain"].splitlines()
+        assert [line.split(" #")[0] for line in lines] == ["all_gather", "reduce_scatter", "all_reduce"], lines
+        assert all("eagertp fuses the single-tensor forms; c10d." in line for line in lines), lines

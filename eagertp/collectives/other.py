@@ -1,12 +1,20 @@
 """Communication ops eagertp does not fuse (point-to-point messages,
-broadcasts, barriers, the list and coalesced forms): run as written. The
-group counts them, so the watch for communication the mode did not see knows
-of them (Note [Collectives the mode did not see] in eagertp.unseen)."""
+broadcasts, barriers, the list and coalesced forms of the collectives): run
+as written. A list or coalesced all-gather, reduce-scatter or all-reduce on a
+managed group gets its explain() line, with the reason, as any collective
+issued as written (Invariant 4); the group counts them all, so the watch for
+communication the mode did not see knows of them (Note [Collectives the mode
+did not see] in eagertp.unseen)."""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from eagertp._format import tensor_str
 from eagertp.engine import Engine
 from eagertp.table import HANDLERS, register
 
@@ -23,6 +31,10 @@ _OTHER = {
     ),
 }
 
+# The kind of each collective explain() accounts for, by its op's name.
+_KINDS = (("allgather", "all_gather"), ("all_gather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
+          ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"))
+
 
 def _overloads() -> list[torch._ops.OpOverload]:
     ops = []
@@ -37,6 +49,15 @@ def _overloads() -> list[torch._ops.OpOverload]:
 
 @register(_overloads())
 def _other_communication(engine: Engine, func, args, kwargs):
+    name = func._opname.lstrip("_")
+    kind = next((kind for prefix, kind in _KINDS if name.startswith(prefix)), None)
+    group = None if kind is None else _group(args, kwargs)
+    if group is not None:
+        group = engine.managed_group(func, group.size(), group)
+    if group is not None:
+        src = _first_tensor((args, kwargs))
+        reason = f"eagertp fuses the single-tensor forms; {func} issued as written"
+        return engine.issue_as_is(func, args, kwargs, kind, src, group, reason, f"{func} {tensor_str(src)}")
     watch = engine.unseen
     if watch.known:
         found = watch.check_all()
@@ -46,3 +67,29 @@ def _other_communication(engine: Engine, func, args, kwargs):
     if watch.known:
         watch.refresh()
     return result
+
+
+def _group(args: tuple, kwargs: dict) -> dist.ProcessGroup | None:
+    """The process group a c10d op (boxed) or a funcol op (by name) runs on."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a)
+            except RuntimeError:  # a ReduceOp, or another boxed object
+                continue
+        if isinstance(a, str):
+            try:
+                return c10d._resolve_process_group(a)
+            except (ValueError, RuntimeError, KeyError):
+                continue
+    return None
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)):
+        return next((t for t in map(_first_tensor, x) if t is not None), None)
+    if isinstance(x, dict):
+        return _first_tensor(list(x.values()))
+    return None
