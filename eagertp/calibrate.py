@@ -15,8 +15,10 @@ for each kind).
 For each kind and per-rank size S (a ladder of powers of two), it times, on
 every rank and interleaved, the program the size rule governs issued as
 written and fused: an all-gather of an ``[r, K]`` shard consumed by a
-``[K, K]`` matmul, and an ``[W*r, K] @ [K, K]`` matmul reduce-scattered to
-``[r, K]``, with ``r * K`` elements = S bytes. A sample's time is the slowest
+``[K, K]`` matmul, an ``[W*r, K] @ [K, K]`` matmul reduce-scattered to
+``[r, K]``, with ``r * K`` elements = S bytes, and that matmul all-reduced,
+then the residual add and the norm before the next matmul (TP without
+sequence parallel). A sample's time is the slowest
 rank's; medians decide. The threshold is the smallest S from which fusing is no
 slower (within ``tolerance``, 3%) at every larger S measured. Every rank must
 call it at the same point (it issues collectives), and every rank gets the same
@@ -33,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.distributed._functional_collectives as funcol
 
 from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
@@ -107,9 +110,14 @@ def calibrate_min_fuse_bytes(
                     funcol_reduce_scatter(x @ b, "sum", 0, group).wait()
             else:
                 x = torch.randn(world * rows, k, dtype=dtype, device=device)
+                residual = torch.randn(world * rows, k, dtype=dtype, device=device)
 
-                def program(x=x) -> None:
-                    funcol.all_reduce(x @ b, "sum", group).wait()
+                def program(x=x, residual=residual) -> None:
+                    # As TP without sequence parallel runs it: the residual add
+                    # and the norm read the all-reduced tensor before the next
+                    # matmul (fused, they run row by row on its gather half).
+                    h = residual + funcol.all_reduce(x @ b, "sum", group)
+                    F.layer_norm(h, (k,)) @ b
 
             fns = [_inside(plain, program), _inside(fused, program)]
             times = time_round_robin(fns, group, device=device, repeats=repeats, warmup=warmup)
