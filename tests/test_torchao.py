@@ -27,7 +27,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import PlainCollectives
 
 from eagertp import EagerMicroPipeline
 
@@ -55,30 +56,18 @@ class _Block(nn.Module):
         return x + self.feed_forward(self.norm(x))
 
 
-class _BytesGather(TorchDispatchMode):
-    """Plain eager's FP8 all-gather on gloo: the same bytes as uint8. It also
-    lists the collectives that reach it, after subclasses desugared: entered
-    below the block, what eagertp let through; alone, plain eager's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.collectives: list[str] = []
+class _BytesGather(PlainCollectives):
+    """Plain eager's FP8 all-gather on gloo: the same bytes as uint8. As
+    ``PlainCollectives``, it also lists the collectives that reach it after
+    subclasses desugared: entered below the block, what eagertp let through;
+    alone, plain eager's."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        kwargs = kwargs or {}
-        if any(issubclass(t, FakeTensor) for t in types):
-            return func(*args, **kwargs)
-        if any(t is not torch.Tensor and not issubclass(t, nn.Parameter) for t in types):
-            return NotImplemented  # the subclass desugars first, its plain ops come back here
-        name = func.__name__.split(".")[0]
-        if func.namespace in ("_c10d_functional", "c10d") and not name.startswith(("wait", "_wrap", "send", "recv")):
-            self.collectives.append(name)  # not eagertp's ring's point-to-point messages
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
         if func is torch.ops._c10d_functional.all_gather_into_tensor.default and args[0].dtype in fp8:
+            self.collectives.append("all_gather_into_tensor")
             return func(args[0].view(torch.uint8), *args[1:]).view(args[0].dtype)
-        return func(*args, **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _torchao_worker(rank, group, recipe: str, sequence_parallel: bool):
