@@ -153,3 +153,28 @@ def test_list_and_coalesced_forms_run_as_written_and_are_explained(pool):
         lines = r["explain"].splitlines()
         assert [line.split(" #")[0] for line in lines] == ["all_gather", "reduce_scatter", "all_reduce"], lines
         assert all("eagertp fuses the single-tensor forms; c10d." in line for line in lines), lines
+
+
+def _list_form_writes_worker(rank, group):
+    """``dist.all_gather`` into a list whose buffer a deferred matmul reads
+    (its outputs nest two lists deep, ``Tensor[][]``): the write completes the
+    matmul first (Invariant 9)."""
+    x = integer_tensor((4, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 8), torch.float32, seed=5)
+
+    def program():
+        a = integer_tensor((4, 8), torch.float32, seed=10 + rank)
+        y = a @ w  # deferred: it could feed a reduce-scatter
+        dist.all_gather([a, torch.empty(4, 8)] if rank == 0 else [torch.empty(4, 8), a], x, group=group)
+        return [y, a]
+
+    expected = program()
+    with EagerMicroPipeline() as pipe:
+        got = program()
+    return {"equal": [torch.equal(g, e) for g, e in zip(got, expected)], "trace": pipe.debug_string()}
+
+
+def test_a_list_form_collective_writing_what_a_deferred_matmul_reads_completes_it_first(pool):
+    for r in pool.run(_list_form_writes_worker, 2, timeout=60):
+        assert all(r["equal"]), r
+        assert "wait: c10d.allgather_.default writes what $0 reads" in r["trace"], r["trace"]
