@@ -55,7 +55,9 @@ def _other_communication(engine: Engine, func, args, kwargs):
     if group is not None:
         group = engine.managed_group(func, group.size(), group)
     if group is not None:
-        src = _first_tensor((args, kwargs))
+        # NB: raw c10d's gathers and reduce-scatters take their outputs first.
+        outputs_first = func.namespace == "c10d" and kind != "all_reduce"
+        src = _first_tensor(args[1:] if outputs_first else (args, kwargs))
         reason = f"eagertp fuses the single-tensor forms; {func} issued as written"
         return engine.issue_as_is(func, args, kwargs, kind, src, group, reason, f"{func} {tensor_str(src)}")
     watch = engine.unseen
