@@ -155,10 +155,19 @@ class Engine:
             )
         return group
 
-    def record_unseen(self, found: list[tuple[int, str]] | None) -> None:
+    def check_unseen(self) -> None:
+        """Before eagertp communicates: what ran on the watched groups unseen
+        since their counts were last known (Note [Collectives the mode did not
+        see] in eagertp.unseen)."""
+        if self.unseen.known:
+            found = self.unseen.check_all()
+            if found:
+                self.record_unseen(found)
+
+    def record_unseen(self, found: list[tuple[int, str]]) -> None:
         """explain()'s lines and the stats for communication the mode did not
         see (Note [Collectives the mode did not see] in eagertp.unseen)."""
-        for n, line in found or ():
+        for n, line in found:
             self.trace.unseen.append(line)
             self.stats["unseen_operations"] += n
 
@@ -994,10 +1003,8 @@ class _IssuingWork:
 
     def __enter__(self) -> None:
         engine = self.engine
-        if not engine.issuing and engine.unseen.known:  # Note [Collectives the mode did not see]
-            found = engine.unseen.check_all()
-            if found:
-                engine.record_unseen(found)
+        if not engine.issuing:  # Note [Collectives the mode did not see]
+            engine.check_unseen()
         self.below_autograd = torch._C._AutoDispatchBelowADInplaceOrView()
         self.below_autograd.__enter__()
         self.was_issuing, engine.issuing = engine.issuing, True

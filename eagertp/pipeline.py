@@ -168,8 +168,7 @@ class EagerMicroPipeline:
         try:
             reason = "block exited" if exc is None else f"block exited by {exc_type.__name__}"
             self._engine.flush(reason)
-            if self._engine.unseen.known:  # Note [Collectives the mode did not see]
-                self._engine.record_unseen(self._engine.unseen.check_all())
+            self._engine.check_unseen()  # Note [Collectives the mode did not see]
         except Exception:
             if exc is None:
                 raise

@@ -254,3 +254,22 @@ def collectives_seen(ctx) -> int:
     block: those plain eager issued (``PlainCollectives``), or those the
     pipeline's explain() accounts for."""
     return len(ctx.collectives) if isinstance(ctx, PlainCollectives) else explained_collectives(ctx)
+
+
+def against_plain_eager(program, **pipe_kwargs) -> dict:
+    """``program()`` (a list of tensors) in plain eager, then inside an
+    ``EagerMicroPipeline(**pipe_kwargs)``: what a worker returns so the test
+    can check the answers, the path that ran, and that explain() accounts for
+    each collective plain eager issued (``collectives_seen``)."""
+    from eagertp import EagerMicroPipeline
+
+    with PlainCollectives() as plain:
+        expected = program()
+    with EagerMicroPipeline(**pipe_kwargs) as pipe:
+        got = program()
+    return {
+        "equal": [torch.equal(g, e) for g, e in zip(got, expected)],
+        "stats": dict(pipe.stats),
+        "explain": pipe.explain(),
+        "collectives_seen": (collectives_seen(plain), collectives_seen(pipe)),
+    }

@@ -119,7 +119,7 @@ def _list_forms_worker(rank, group):
     into a list, ``dist.reduce_scatter`` from one, ``all_reduce_coalesced``):
     eagertp fuses only the single-tensor forms, so they run as written, each
     with its explain() line and reason (Invariant 4)."""
-    from helpers import PlainCollectives, collectives_seen
+    from helpers import against_plain_eager
 
     x = integer_tensor((4, 8), torch.float32, seed=rank)
     world = group.size()
@@ -133,16 +133,7 @@ def _list_forms_worker(rank, group):
         dist.all_reduce_coalesced([a, b], group=group)
         return [*gathered, scattered, a, b]
 
-    with PlainCollectives() as plain:
-        expected = program()
-    with EagerMicroPipeline() as pipe:
-        got = program()
-    return {
-        "equal": [torch.equal(g, e) for g, e in zip(got, expected)],
-        "stats": dict(pipe.stats),
-        "explain": pipe.explain(),
-        "collectives_seen": (collectives_seen(plain), collectives_seen(pipe)),
-    }
+    return against_plain_eager(program)
 
 
 def test_list_and_coalesced_forms_run_as_written_and_are_explained(pool):

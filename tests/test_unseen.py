@@ -10,9 +10,7 @@ import threading
 
 import torch
 import torch.distributed as dist
-from helpers import all_reduce, integer_tensor
-
-from eagertp import EagerMicroPipeline
+from helpers import against_plain_eager, all_reduce, integer_tensor
 
 
 class _Hiding(torch.Tensor):
@@ -34,17 +32,6 @@ class _Hiding(torch.Tensor):
         return out
 
 
-def _run(program):
-    expected = program()
-    with EagerMicroPipeline() as pipe:
-        got = program()
-    return {
-        "equal": [torch.equal(g, e) for g, e in zip(got, expected)],
-        "stats": dict(pipe.stats),
-        "explain": pipe.explain(),
-    }
-
-
 def _subclass_worker(rank, group):
     x, z = (integer_tensor((8, 8), torch.float32, seed=s + rank) for s in (0, 10))
     w = integer_tensor((8, 8), torch.float32, seed=20)
@@ -54,7 +41,7 @@ def _subclass_worker(rank, group):
         y = _Hiding(z.clone(), group) * 2  # all-reduced unseen
         return [a, y]
 
-    return _run(program)
+    return against_plain_eager(program)
 
 
 def test_a_collective_a_subclass_issues_with_dispatch_off_is_named(pool):
@@ -80,7 +67,7 @@ def _thread_worker(rank, group):
         b = all_reduce(z @ w, group)  # seen: finds the other thread's
         return [a, other, b]
 
-    return _run(program)
+    return against_plain_eager(program)
 
 
 def test_another_threads_collective_on_a_managed_group_is_named(pool):
@@ -107,7 +94,7 @@ def _seen_worker(rank, group):
         dist.broadcast(b, dist.get_global_rank(group, 0), group=group)
         return [a, got, b, all_reduce(b @ w, group)]
 
-    return _run(program)
+    return against_plain_eager(program)
 
 
 def test_communication_the_mode_sees_is_never_reported(pool):

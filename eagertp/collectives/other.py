@@ -60,14 +60,10 @@ def _other_communication(engine: Engine, func, args, kwargs):
         src = _first_tensor(args[1:] if outputs_first else (args, kwargs))
         reason = f"eagertp fuses the single-tensor forms; {func} issued as written"
         return engine.issue_as_is(func, args, kwargs, kind, src, group, reason, f"{func} {tensor_str(src)}")
-    watch = engine.unseen
-    if watch.known:
-        found = watch.check_all()
-        if found:
-            engine.record_unseen(found)
+    engine.check_unseen()
     result = engine.run_plain(func, args, kwargs) if engine.store.items else func._op(*args, **kwargs)
-    if watch.known:
-        watch.refresh()
+    if engine.unseen.known:
+        engine.unseen.refresh()
     return result
 
 
