@@ -197,7 +197,7 @@ import torch.distributed as dist
 
 from eagertp._format import dtype_str, tensor_str
 from eagertp.backends.base import GatherHandle, piece_dim
-from eagertp.trace import CollectiveRecord, Lazy, Meta, Text
+from eagertp.trace import CollectiveRecord, Event, Lazy, Meta, Text
 
 if TYPE_CHECKING:
     from eagertp.rowwise import RowwiseStep, WholeStep
@@ -460,17 +460,16 @@ class PendingMatmul(_Standalone):
         """``mm (gathered cols) -> $3``, formatted when read (Note [Formatted when read])."""
         return Lazy(_describe_matmul, self.op, self.operand, self.tid)
 
-    def trace_event(self) -> tuple:
-        """``(render, *args)`` for ``Trace.event``: no tensors kept, formatted later.
+    def trace_event(self) -> Event:
+        """The ``Trace`` event ``(render, args)``: no tensors kept, formatted later.
         Operands are gathered-view ids (ints) or shapes; all share ``out``'s dtype."""
         g = None if self.view is None else self.view.tid
         a = g if self.a is None else self.a.shape
         b = g if self.b is None else self.b.shape
         bias = None if self.bias is None else self.bias.shape
         in_dtype = (self.b if self.b is not None else self.a).dtype
-        return (
-            _render_matmul, self.tid, in_dtype, self.out.dtype, self.out.shape, self.op, a, b, bias,
-            self.operand is Operand.ROWS_T,
+        return _render_matmul, (
+            self.tid, in_dtype, self.out.dtype, self.out.shape, self.op, a, b, bias, self.operand is Operand.ROWS_T,
         )
 
     def compute(
@@ -540,11 +539,24 @@ class PendingMatmul(_Standalone):
         assert self.a is not None and self.b is not None, "a gather consumer is issued by its gather"
         self.compute(self.a, self.b, out)
 
+    def issue_standalone(self) -> None:
+        # NB: _Standalone's, one frame shorter: every read of a deferred matmul.
+        assert self.a is not None and self.b is not None, "a gather consumer is issued by its gather"
+        self.compute(self.a, self.b, self.out)
+        for sv in self.scatter_views:
+            sv.fill(self.out)
+
     def inputs(self) -> list[torch.Tensor]:
-        tensors = [t for t in (self.a, self.b, self.bias) if t is not None]
+        # NB: on the hot path (every deferred matmul, twice): no comprehensions.
+        tensors = []
+        for t in (self.a, self.b, self.bias):
+            if t is not None:
+                tensors.append(t)
         if self.scaled is not None:
             tensors += self.scaled.tensors()
-        tensors += [e.operand for e in self.epilogues if isinstance(e.operand, torch.Tensor)]
+        for e in self.epilogues:
+            if isinstance(e.operand, torch.Tensor):
+                tensors.append(e.operand)
         return tensors
 
 
@@ -925,12 +937,6 @@ def is_weight_gradient(product: Product) -> bool:
     return a is not None and a.dim() == 2 and not a.is_contiguous() and a.t().is_contiguous()
 
 
-def _placeholders(item: Pending) -> list[torch.Tensor]:
-    if isinstance(item, PendingGather):
-        return item.placeholders()
-    return [item.out, *(sv.tensor for sv in item.scatter_views)]
-
-
 class PendingStore:
     """Pending work in record order (gathers in flight and standalone products),
     which storages it owns and which it will read."""
@@ -938,7 +944,9 @@ class PendingStore:
     def __init__(self) -> None:
         self.items: list[Pending] = []
         self._owner: dict[int, Pending] = {}  # placeholder storage -> item
-        self._inputs: collections.Counter[int] = collections.Counter()  # storages pending work reads
+        # storage -> how many times pending work reads it. NB: a dict, not a
+        # Counter, whose ``__missing__`` and ``__delitem__`` are Python frames.
+        self._inputs: dict[int, int] = {}
         # shard storage -> the program's gathers in flight that may still send
         # from it (Note [Sends from the shard] in eagertp.engine)
         self.sending: dict[int, list[PendingGather]] = {}
@@ -974,18 +982,17 @@ class PendingStore:
         """A standalone matmul or sum (again, after a fused reduce-scatter took it out)."""
         # NB: on the hot path (every deferred matmul): plain loops, no generators.
         self.items.append(product)
-        owner, inputs = self._owner, self._inputs
-        owner[storage_key(product.out)] = product
+        owner = self._owner
+        owner[product.out.untyped_storage()._cdata] = product
         for sv in product.scatter_views:
             owner[storage_key(sv.tensor)] = product
-        for t in product.inputs():
-            inputs[storage_key(t)] += 1
+        self._read(product.inputs())
 
     def add_epilogue(self, product: PendingMatmul, epilogue: Epilogue) -> None:
         """An in-place op on ``product``'s output, kept with it (Note [Epilogues])."""
         product.epilogues.append(epilogue)
         if isinstance(epilogue.operand, torch.Tensor):
-            self._inputs[storage_key(epilogue.operand)] += 1
+            self._read([epilogue.operand])
 
     def add_rowwise(
         self, gather: PendingGather, step: RowwiseStep | None, views: list[GatheredView], whole: WholeStep | None
@@ -1006,8 +1013,7 @@ class PendingStore:
             added += whole.inputs()
             for t in whole.placeholders():
                 self._owner[storage_key(t)] = gather
-        for t in added:
-            self._inputs[storage_key(t)] += 1
+        self._read(added)
 
     def remove_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
         """Unbind ``mm`` from ``gather`` (``add_consumer`` undone)."""
@@ -1017,26 +1023,40 @@ class PendingStore:
 
     def add_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
         gather.consumers.append(mm)
-        self._owner[storage_key(mm.out)] = gather
-        for t in mm.inputs():
-            self._inputs[storage_key(t)] += 1
+        self._owner[mm.out.untyped_storage()._cdata] = gather
+        self._read(mm.inputs())
 
     def remove(self, item: Pending) -> None:
         """Take an item out: it is being issued (or its fused consumer issues it)."""
         self.items.remove(item)
-        for t in _placeholders(item):
-            del self._owner[storage_key(t)]
-        if isinstance(item, PendingGather) and not item.shard_in_out():
-            self.stop_sending(item)
+        owner = self._owner
+        if isinstance(item, PendingGather):
+            for t in item.placeholders():
+                del owner[storage_key(t)]
+            if not item.shard_in_out():
+                self.stop_sending(item)
+        else:  # NB: the hot path: every product read, or taken by its collective
+            del owner[item.out.untyped_storage()._cdata]
+            for sv in item.scatter_views:
+                del owner[storage_key(sv.tensor)]
         self._release(item.inputs())
+
+    def _read(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Pending work reads ``tensors`` (once more each)."""
+        inputs = self._inputs
+        for t in tensors:
+            key = t.untyped_storage()._cdata
+            inputs[key] = inputs.get(key, 0) + 1
 
     def _release(self, tensors: Iterable[torch.Tensor]) -> None:
         """Pending work reads ``tensors`` no more."""
         inputs = self._inputs
         for t in tensors:
-            key = storage_key(t)
-            inputs[key] -= 1
-            if not inputs[key]:
+            key = t.untyped_storage()._cdata
+            n = inputs[key] - 1
+            if n:
+                inputs[key] = n
+            else:
                 del inputs[key]
 
     def standalone(self, *, absorbed: bool) -> list[Product]:
@@ -1062,8 +1082,15 @@ class PendingStore:
 
     def owners(self, tensors: Iterable[torch.Tensor]) -> list[Pending]:
         """The pending items that own any of ``tensors``, in record order."""
-        found = {id(item): item for t in tensors if (item := self._owner.get(storage_key(t))) is not None}
-        return [item for item in self.items if id(item) in found]
+        # NB: on the hot path (every read of pending work): loops, usually of one.
+        owner, found = self._owner, []
+        for t in tensors:
+            item = owner.get(t.untyped_storage()._cdata)
+            if item is not None and item not in found:  # NB: eq=False items: identity
+                found.append(item)
+        if len(found) > 1:
+            found.sort(key=self.items.index)
+        return found
 
     def gathered_view_of(self, t: torch.Tensor) -> tuple[PendingGather, GatheredView] | None:
         """The pending gather and its view that ``t`` views, if any."""

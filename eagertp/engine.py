@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -118,22 +117,17 @@ class Engine:
         if self.unseen.known or self.unseen.handed:
             self.unseen.reset()
 
-    def _never_fused_below(self, device_type: str) -> int:
-        """Matmul outputs smaller than this (bytes, in the widest cast) can feed
-        no fused reduce-scatter or all-reduce on ``device_type``."""
-        nbytes = self._deferral_bytes.get(device_type)
-        if nbytes is None:
-            nbytes = self._deferral_bytes[device_type] = min(
-                self.backend.min_bytes(device_type, "reduce_scatter"),
-                self.backend.min_bytes(device_type, "all_reduce"),
-            )
-        return nbytes
-
     def never_fused(self, rows: int, cols: int, device_type: str) -> bool:
         """True if a product of ``rows x cols`` is too small for any reduce-
         scatter or all-reduce of it to fuse: run at once, not deferred, while
         nothing is pending (Note [Deferral boundary])."""
-        return rows * cols * _WIDEST_CAST < self._never_fused_below(device_type)
+        nbytes = self._deferral_bytes.get(device_type)
+        if nbytes is None:  # the smallest matmul output (bytes) a fused collective could take
+            nbytes = self._deferral_bytes[device_type] = min(
+                self.backend.min_bytes(device_type, "reduce_scatter"),
+                self.backend.min_bytes(device_type, "all_reduce"),
+            )
+        return rows * cols * _WIDEST_CAST < nbytes
 
     def manages(self, group: dist.ProcessGroup) -> bool:
         return self.group is None or group.group_name == self.group.group_name
@@ -183,7 +177,7 @@ class Engine:
         """Run an op no handler fuses, after completing the pending work it
         reads (or all of it, if it writes an input of pending work)."""
         if self.store.items:
-            if func.namespace not in COLLECTIVE_NAMESPACES and _is_composite(func):
+            if (_OP_FACTS.get(func._op) or op_facts(func)).composite:
                 if self.store.touched(tensor_leaves(args, kwargs)) is not None:
                     return self.decompose(func, args, kwargs)
             why = None
@@ -192,7 +186,7 @@ class Engine:
                 if why is None and result is not None:
                     return result
             self.complete_for(func, args, kwargs, why)
-        return func(*args, **kwargs)
+        return func._op(*args, **kwargs)  # NB: OpOverload.__call__ is a Python frame
 
     def decompose(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         """Run a composite op as its decomposition, whose ops reach the mode.
@@ -224,7 +218,7 @@ class Engine:
             self.before_write(func, written, owners=False)
         tensors = tensor_leaves(args, kwargs)
         first = self.store.touched(tensors)
-        if first is not None and not _is_metadata_only(func):
+        if first is not None and not (_OP_FACTS.get(func._op) or op_facts(func)).metadata_only:
             why = None if not_rowwise is None else f"read ${self.store.tid_of(first)}, not row by row: {not_rowwise}"
             self.complete_owners(tensors, func, why, first=first)
 
@@ -412,8 +406,14 @@ class Engine:
         # Complete every item even if one fails, so that no placeholder is left
         # unfilled and no transfer half-received; then raise the first failure.
         failure: BaseException | None = None
+        for item in items:
+            if isinstance(item, PendingGather):
+                ordered = self._with_work_in_flight(items, keep)
+                break
+        else:  # NB: the hot path (a read of a product): no gather, nothing to order
+            ordered = items
         with self.issuing_work():
-            for item in self._with_work_in_flight(items, keep):
+            for item in ordered:
                 if item not in self.store.items:
                     continue  # completed earlier in this call, as work in flight
                 if isinstance(item, PendingGather) and self._data_gathers(item, items):
@@ -748,7 +748,7 @@ class Engine:
             self.store.add_consumer(gather, mm)
         if scale_gather is not None:
             scale_gather.scale_of.append(mm)
-        self.trace.event(*mm.trace_event())
+        self.trace.events.append(mm.trace_event())  # NB: what Trace.event records, one frame shorter
         return mm.out
 
     def _match_gather_operand(
@@ -1003,7 +1003,7 @@ class _IssuingWork:
 
     def __enter__(self) -> None:
         engine = self.engine
-        if not engine.issuing:  # Note [Collectives the mode did not see]
+        if not engine.issuing and engine.unseen.known:  # Note [Collectives the mode did not see]
             engine.check_unseen()
         self.below_autograd = torch._C._AutoDispatchBelowADInplaceOrView()
         self.below_autograd.__enter__()
@@ -1074,8 +1074,8 @@ def profiler_range(name: str) -> contextlib.AbstractContextManager:
 
 # Ops that read no data of a pending tensor: views (their outputs share the
 # placeholder's storage and stay pending; every other view op qualifies too,
-# see _is_metadata_only) and factories that take only its shape, dtype and
-# device (autograd's AccumulateGrad makes a gradient's buffer so).
+# see _op_facts) and factories that take only its shape, dtype and device
+# (autograd's AccumulateGrad makes a gradient's buffer so).
 _aten = torch.ops.aten
 _PENDING_PASSTHROUGH = frozenset({
     _aten._unsafe_view.default, _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_like.default,
@@ -1084,32 +1084,54 @@ _PENDING_PASSTHROUGH = frozenset({
 })
 
 
-@functools.cache  # NB: asked for every op that touches pending work
-def _is_metadata_only(func: torch._ops.OpOverload) -> bool:
-    return func in _PENDING_PASSTHROUGH or (func.is_view and not func._schema.is_mutable)
+class OpFacts(NamedTuple):
+    """What the engine asks of an op that touches pending work, from its schema."""
+
+    written: tuple[tuple[int, str], ...]  # (position, name) of each argument it writes
+    metadata_only: bool  # reads no data of a pending tensor (Note [Deferral boundary])
+    composite: bool  # not a collective, and has a CompositeImplicitAutograd kernel
 
 
-@functools.cache
-def _written_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
-    """(position, name) of each argument ``func`` writes: ``Tensor(a!)`` in
-    its schema, or the first argument of a c10d in-place collective, whose
-    schemas do not say so (``c10d::allreduce_(Tensor[] tensors, ...)``)."""
+# NB: keyed by ``func._op`` (hashed in C; OpOverload's own ``__hash__`` is a
+# Python frame, as in eagertp.table): asked for every op while work is pending.
+_OP_FACTS: dict[Callable[..., Any], OpFacts] = {}
+
+
+def op_facts(func: torch._ops.OpOverload) -> OpFacts:
+    facts = _OP_FACTS.get(func._op)
+    if facts is None:
+        facts = _OP_FACTS[func._op] = _op_facts(func)
+    return facts
+
+
+def _op_facts(func: torch._ops.OpOverload) -> OpFacts:
     schema = func._schema
     if func.namespace == "c10d" and schema.name.endswith("_") and schema.name != "c10d::monitored_barrier_":
-        return ((0, schema.arguments[0].name),)
-    return tuple(
-        (i, arg.name) for i, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write
+        # c10d's in-place collectives write their first argument; their schemas
+        # do not say so (``c10d::allreduce_(Tensor[] tensors, ...)``).
+        written: tuple[tuple[int, str], ...] = ((0, schema.arguments[0].name),)
+    else:
+        written = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+    return OpFacts(
+        written,
+        func in _PENDING_PASSTHROUGH or (func.is_view and not schema.is_mutable),
+        func.namespace not in COLLECTIVE_NAMESPACES
+        and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"),
     )
 
 
 def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes: in place, ``out=``, the lists of
     ``_foreach_*_``, the outputs of c10d's collectives (lists of lists too)."""
-    spec = _written_args(func)
-    if not spec:  # NB: most ops, on the path of every op while work is pending
+    facts = _OP_FACTS.get(func._op) or op_facts(func)
+    if not facts.written:  # NB: most ops, on the path of every op while work is pending
         return []
     found: list[torch.Tensor] = []
-    pending = [args[i] if i < len(args) else kwargs.get(name) for i, name in spec]
+    pending = [args[i] if i < len(args) else kwargs.get(name) for i, name in facts.written]
     while pending:
         a = pending.pop()
         if isinstance(a, torch.Tensor):
@@ -1117,11 +1139,6 @@ def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> l
         elif isinstance(a, (list, tuple)):
             pending.extend(a)
     return found
-
-
-@functools.cache
-def _is_composite(func: torch._ops.OpOverload) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
 def same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
