@@ -768,7 +768,12 @@ def storage_uses(t: torch.Tensor) -> int:
 def _unobserved(product: Product) -> bool:
     """True if nothing but this pending item can reach its placeholders.
     Then computing it would be work that nobody can observe."""
-    return _held_by_item_only(product.out) and all(_held_by_item_only(sv.tensor) for sv in product.scatter_views)
+    if not _held_by_item_only(product.out):
+        return False
+    for sv in product.scatter_views:  # NB: a loop, not all(): most have none
+        if not _held_by_item_only(sv.tensor):
+            return False
+    return True
 
 
 def _matmul_leaves(items: Iterable[Pending]) -> list[PendingMatmul]:
@@ -1104,12 +1109,15 @@ class PendingStore:
     def standalone_output(self, t: torch.Tensor) -> tuple[Product, ScatterView | None] | None:
         """The standalone pending product whose whole output (or whole scatter
         view) ``t`` is, if any."""
-        product = self.owner(t)
+        key = t.untyped_storage()._cdata
+        product = self._owner.get(key)
         if isinstance(product, PendingGather) or product is None or not t.is_contiguous():
             return None
-        key = storage_key(t)
-        for whole, sv in [(product.out, None), *((sv.tensor, sv) for sv in product.scatter_views)]:
-            if storage_key(whole) == key and t.storage_offset() == whole.storage_offset() and t.numel() == whole.numel():
+        whole = product.out
+        if whole.untyped_storage()._cdata == key:  # NB: the hot path (a product's own output)
+            return (product, None) if _same_extent(t, whole) else None
+        for sv in product.scatter_views:
+            if storage_key(sv.tensor) == key and _same_extent(t, sv.tensor):
                 return product, sv
         return None
 
@@ -1144,6 +1152,11 @@ class PendingStore:
         assert not self.sending, f"gathers completed but still sending from their shards: {self.sending}"
         self._ids = itertools.count()
         self.last_tid = -1
+
+
+def _same_extent(t: torch.Tensor, whole: torch.Tensor) -> bool:
+    """``t`` (contiguous, on ``whole``'s storage) covers exactly ``whole``'s elements."""
+    return t.storage_offset() == whole.storage_offset() and t.numel() == whole.numel()
 
 
 def tensor_leaves(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:

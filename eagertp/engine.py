@@ -135,7 +135,8 @@ class Engine:
     def managed_group(self, func, group_size: int, group_name: Any) -> dist.ProcessGroup | None:
         """The collective's group if the mode manages it, else None (it passes
         through; what is in flight stays in flight)."""
-        group = group_name if isinstance(group_name, dist.ProcessGroup) else c10d._resolve_process_group(group_name)
+        # NB: isinstance(x, ProcessGroup) is a Python __instancecheck__; funcol passes a name.
+        group = c10d._resolve_process_group(group_name) if isinstance(group_name, str) else group_name
         if not self.manages(group):
             self.trace.pass_through(func, group_str(group))
             return None
@@ -350,8 +351,17 @@ class Engine:
         early, before ``func``: the products recorded up to trace id ``mark``
         (-1: none), the weight gradients only pending work holds the inputs
         of, the absorbed products nothing can read."""
-        self.drop_unobserved()
-        self.complete_past(func, mark)
+        # NB: on the hot path (every deferred matmul while work is pending):
+        # the store's products listed once, nothing more when there are none.
+        products = [p for p in self.store.items if not isinstance(p, PendingGather)]
+        if not products:
+            return
+        for product in products:
+            if product.absorbed and product.unobserved():
+                self._drop(product)
+        past = [p for p in products if not p.absorbed and p.tid <= mark]
+        if past:
+            self._complete_past(func, past)
         self.complete_orphaned_weight_gradients(func)
 
     def complete_past(self, func: Any, mark: int) -> None:
@@ -360,9 +370,12 @@ class Engine:
         would have computed them, and freed their inputs, long ago."""
         past = [p for p in self.store.standalone(absorbed=False) if p.tid <= mark]
         if past:
-            reason = Reason("{}: ${} is past its collective", func, past[-1].tid)
-            self.trace.event("wait: {}", reason)
-            self.complete(past, reason)
+            self._complete_past(func, past)
+
+    def _complete_past(self, func: Any, past: list[Product]) -> None:
+        reason = Reason("{}: ${} is past its collective", func, past[-1].tid)
+        self.trace.event("wait: {}", reason)
+        self.complete(past, reason)
 
     def complete_orphaned_weight_gradients(self, func: Any) -> None:
         """Compute the pending weight gradients that read a storage nothing but
@@ -389,8 +402,11 @@ class Engine:
         would skip them, and until then they hold their placeholders and inputs."""
         for product in self.store.standalone(absorbed=True):
             if product.unobserved():
-                self.store.remove(product)
-                self.trace.event("skip ${}: nothing can read it", product.tid)
+                self._drop(product)
+
+    def _drop(self, product: Product) -> None:
+        self.store.remove(product)
+        self.trace.event("skip ${}: nothing can read it", product.tid)
 
     def flush(self, reason: str | Reason) -> None:
         """Complete every pending item, in record order."""
@@ -475,8 +491,11 @@ class Engine:
             and gather.out_unreachable()
         )
         try:
-            # NB: a chain of row-wise steps says so (Note [Row-wise ops on gathered rows]).
-            with profiler_range(f"eagertp::{plan.name}{'+rowwise' if gather.steps else ''}"):
+            if torch.autograd._profiler_enabled():
+                # NB: a chain of row-wise steps says so (Note [Row-wise ops on gathered rows]).
+                with profiler_range(f"eagertp::{plan.name}{'+rowwise' if gather.steps else ''}"):
+                    plan.run(whole=whole, own_chunk_unread=own_chunk_unread)
+            else:  # NB: the hot path: no profiler, no context manager
                 plan.run(whole=whole, own_chunk_unread=own_chunk_unread)
         except BaseException:
             gather.completed = True
@@ -987,7 +1006,7 @@ class Engine:
         unless the collective is issued as written (``marks_past=False``)."""
         if marks_past:
             self.before_collective = self.store.last_tid
-        return self.trace.new_collective(kind, src=Meta.of(src), dst=Meta.of(dst), group=group_str(group))
+        return self.trace.new_collective(kind, src=Meta.of(src), dst=Meta.of(dst), group=group)
 
 
 class _IssuingWork:

@@ -365,9 +365,11 @@ class ReduceScatterPlan:
         flat = chunk_rows(self.out)
         per_row, odd = divmod(flat.shape[1], width)  # product rows per row of flat
 
+        n = flat.shape[0]
+
         def produce(c: int, buf: torch.Tensor, rows: slice) -> None:
-            start, stop, _ = rows.indices(len(flat))
-            if (start, stop) == (0, len(flat)):
+            start, stop, _ = rows.indices(n)
+            if start == 0 and stop == n:
                 produce_chunk(c, buf, all_rows)
             elif not odd:
                 produce_chunk(c, buf, lambda t: t[start * per_row : stop * per_row])
@@ -378,10 +380,11 @@ class ReduceScatterPlan:
 
         return produce
 
-    def trace_event(self, backend: str) -> tuple:
-        """``(render, *args)`` for ``Trace.event``, once run: no tensors kept."""
+    def trace_event(self, backend: str, name: str) -> tuple:
+        """``(render, *args)`` for ``Trace.event``, once run (``name``: its
+        ``name``): no tensors kept."""
         src = self.product.tid if self.product is not None else Meta.of(self.inp)
-        return _render_scatter_plan, self.name, self.reduce_op, src, backend
+        return _render_scatter_plan, name, self.reduce_op, src, backend
 
     def reference(self) -> torch.Tensor:
         """Plain eager: the whole matmul, then the collective."""

@@ -35,8 +35,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
-from eagertp._format import tensor_str
+from eagertp._format import group_str, tensor_str
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,14 @@ class Meta(NamedTuple):
 
     @staticmethod
     def of(t: torch.Tensor) -> Meta:
-        return Meta(t.dtype, t.shape)
+        # NB: tuple.__new__, as NamedTuple's own __new__ (a Python frame) would.
+        return _new_tuple(Meta, (t.dtype, t.shape))
 
     def __str__(self) -> str:
         return tensor_str(self)
 
+
+_new_tuple = tuple.__new__
 
 # One line of the ordered trace: ``render(*args)``, formatted when read. A plain
 # tuple: one is recorded per deferred matmul, on the hot path.
@@ -174,6 +178,7 @@ class Trace:
         # Communication on managed groups the mode did not see (Note
         # [Collectives the mode did not see] in eagertp.unseen), one line each.
         self.unseen: list[str] = []
+        self._groups: dict[dist.ProcessGroup, str] = {}  # group -> group_str(group)
 
     def event(self, render: str | Callable[..., str], *args: Any) -> None:
         """Record ``render(*args)`` (or ``render.format(*args)`` for a template);
@@ -183,10 +188,13 @@ class Trace:
         self.events.append((render, args))
 
     def new_collective(
-        self, kind: str, *, src: Meta, dst: Meta, group: str
+        self, kind: str, *, src: Meta, dst: Meta, group: dist.ProcessGroup
     ) -> CollectiveRecord:
+        group_text = self._groups.get(group)
+        if group_text is None:  # NB: rendered once per group and block
+            group_text = self._groups[group] = group_str(group)
         record = CollectiveRecord(
-            kind, self._next_index[kind], src=src, dst=dst, group=group
+            kind, self._next_index[kind], src=src, dst=dst, group=group_text
         )
         self._next_index[kind] += 1
         if len(self.collectives) == self.collectives.maxlen:

@@ -157,6 +157,8 @@ class BackendChoice:
         """The backend for a collective on ``t`` over ``group``, and a note for
         ``explain()`` when ``auto`` could not use symmetric memory on CUDA."""
         if self.name == "auto":
+            if not t.is_cuda and symm_mem.static_reason(t) is not None:
+                return self._instances["ring"], None  # NB: not a candidate; nothing to say (below)
             why_not = symm_mem.unavailable_reason(t, group)
             if why_not is None:
                 return self._instances["symm_mem"], None

@@ -129,15 +129,11 @@ def all_reduce(
     gather = PendingGather(
         shard, rows, group, engine.store.next_tid(), record, work_at_start=engine.matmul_work, half_of_all_reduce=True
     )
-    with profiler_range(f"eagertp::{'matmul_' if plan.fused else ''}all_reduce"), engine.issuing_work():
-        if engine.verify:
-            check_ranks_agree(f"{kind} of {tensor_str(rows)}", group)  # NB: before the backend is chosen
-        backend, gather.backend = engine.choose_backend(shard, group)
-        gather.handle = backend.start_all_reduce(plan.producer(), rows, group, reduce_op)
-        if engine.verify:
-            for what, got, want, exact in plan.checks():  # this rank's reduced rows
-                check_equal(what, got, want, group, exact=exact)
-            engine.gather_reference(gather)
+    if torch.autograd._profiler_enabled():
+        with profiler_range(f"eagertp::{'matmul_' if plan.fused else ''}all_reduce"):
+            _start(engine, plan, gather, kind)
+    else:  # NB: the hot path: no profiler, no context manager
+        _start(engine, plan, gather, kind)
     engine.add_gather(gather)
     if not plan.fused:
         engine.stats["unfused_all_reduce"] += 1
@@ -155,6 +151,21 @@ def all_reduce(
     engine.trace.mark_fused(record, plan.fused_with(), gather.backend)
     engine.trace.event("matmul_all_reduce({}, ${}) [{}]", reduce_op, product.tid, gather.backend)
     return result
+
+
+def _start(engine: Engine, plan: ReduceScatterPlan, gather: PendingGather, kind: str) -> None:
+    """Start the all-reduce of ``plan`` (its reduce-scatter half) and ``gather``
+    (its all-gather half) on the backend."""
+    with engine.issuing_work():
+        rows, group = gather.out, plan.group
+        if engine.verify:
+            check_ranks_agree(f"{kind} of {tensor_str(rows)}", group)  # NB: before the backend is chosen
+        backend, gather.backend = engine.choose_backend(gather.shard, group)
+        gather.handle = backend.start_all_reduce(plan.producer(), rows, group, plan.reduce_op)
+        if engine.verify:
+            for what, got, want, exact in plan.checks():  # this rank's reduced rows
+                check_equal(what, got, want, group, exact=exact)
+            engine.gather_reference(gather)
 
 
 def _why_all_reduce_as_written(

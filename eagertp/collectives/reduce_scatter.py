@@ -84,17 +84,21 @@ def reduce_scatter(
 
 def _issue(engine: Engine, plan: ReduceScatterPlan, unfused_reason: str) -> None:
     """Run a reduce-scatter's plan on the backend now, and account for it."""
-    if plan.fused:
+    fused, name = plan.fused, plan.name
+    if fused:
         engine.count_matmul_work()
-    with profiler_range(f"eagertp::{plan.name}"):
+    if torch.autograd._profiler_enabled():
+        with profiler_range(f"eagertp::{name}"):
+            label = _run_scatter(engine, plan)
+    else:  # NB: the hot path: no profiler, no context manager
         label = _run_scatter(engine, plan)
-    if plan.fused:
-        engine.stats[plan.name] += 1
+    if fused:
+        engine.stats[name] += 1
         engine.trace.mark_fused(plan.record, plan.fused_with(), label)
     else:
         engine.stats[f"unfused_{plan.kind}"] += 1
         engine.trace.mark_unfused(plan.record, unfused_reason, label)
-    engine.trace.event(*plan.trace_event(label))
+    engine.trace.event(*plan.trace_event(label, name))
 
 
 def _run_scatter(engine: Engine, plan: ReduceScatterPlan) -> str:
