@@ -889,7 +889,7 @@ class PendingGather:
         """True if the shard is rows of ``out`` itself (an all-reduce's gather
         half, a product made in this rank's chunk), not a tensor of the
         program's: nothing can write it before the gather completes."""
-        return storage_key(self.shard) == storage_key(self.out)
+        return self.shard.untyped_storage()._cdata == self.out.untyped_storage()._cdata
 
     def consumer_writing(self, t: torch.Tensor) -> PendingMatmul | None:
         """The consumer whose output placeholder ``t`` views, if any."""
@@ -901,8 +901,12 @@ class PendingGather:
         return next((v for v in self.views if storage_key(v.tensor) == key), None)
 
     def placeholders(self) -> list[torch.Tensor]:
-        whole = [t for w in self.wholes for t in w.placeholders()]
-        return [v.tensor for v in self.views] + [mm.out for mm in self.consumers] + whole
+        found = [v.tensor for v in self.views]
+        for mm in self.consumers:
+            found.append(mm.out)
+        for w in self.wholes:
+            found += w.placeholders()
+        return found
 
     def out_unreachable(self) -> bool:
         """True if nothing but this gather can reach ``out``'s data: no other
@@ -926,7 +930,9 @@ class PendingGather:
     def inputs(self) -> list[torch.Tensor]:
         # NB: not the shard: a write to it waits for the sends that read it
         # and leaves the gather pending (Note [Sends from the shard] in eagertp.engine).
-        tensors = [t for mm in self.consumers for t in mm.inputs()]
+        tensors = []
+        for mm in self.consumers:
+            tensors += mm.inputs()
         if self.steps or self.wholes:
             tensors += [t for step in (*self.steps, *self.wholes) for t in step.inputs()]
         return tensors
@@ -1127,9 +1133,13 @@ class PendingStore:
         item = self._owner[key]
         if not isinstance(item, PendingGather):
             return item.tid  # its output and its scatter views share its id
-        named = [(v.tensor, v.tid) for v in item.views] + [(mm.out, mm.tid) for mm in item.consumers]
-        named += [(t, w.tid) for w in item.wholes for t in w.placeholders()]
-        return next(tid for tensor, tid in named if storage_key(tensor) == key)
+        for v in item.views:  # NB: loops: a read of a gather's view is on the hot path
+            if storage_key(v.tensor) == key:
+                return v.tid
+        for mm in item.consumers:
+            if storage_key(mm.out) == key:
+                return mm.tid
+        return next(w.tid for w in item.wholes for p in w.placeholders() if storage_key(p) == key)
 
     def touched(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
         """The first of ``tensors`` that is pending, if any."""

@@ -65,6 +65,8 @@ COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "symm_mem"})
 # to float64 of a matmul small by this bound is issued unfused: still right.)
 _WIDEST_CAST = 4
 
+_new_tuple = tuple.__new__
+
 
 class VerificationError(RuntimeError):
     """``verify=True`` found a fused result that differs from plain eager."""
@@ -368,7 +370,9 @@ class Engine:
         """Compute the standalone products recorded up to trace id ``mark`` that no
         collective took (Note [Products past their collective]): plain eager
         would have computed them, and freed their inputs, long ago."""
-        past = [p for p in self.store.standalone(absorbed=False) if p.tid <= mark]
+        past = [
+            p for p in self.store.items if p.tid <= mark and not isinstance(p, PendingGather) and not p.absorbed
+        ]
         if past:
             self._complete_past(func, past)
 
@@ -380,9 +384,9 @@ class Engine:
     def complete_orphaned_weight_gradients(self, func: Any) -> None:
         """Compute the pending weight gradients that read a storage nothing but
         pending work can reach (Note [Products past their collective])."""
-        if not self.store.items:
-            return
-        candidates = [p for p in self.store.standalone(absorbed=False) if is_weight_gradient(p)]
+        candidates = [
+            p for p in self.store.items if not isinstance(p, PendingGather) and not p.absorbed and is_weight_gradient(p)
+        ] if self.store.items else None
         if not candidates:
             return
         orphans = orphaned_storages(self.store.items)
@@ -455,12 +459,10 @@ class Engine:
         pending and not absorbed but those in ``keep``: the transfer hides
         behind them (Note [Work issued while a gather is in flight])."""
         ordered: list[Pending] = []
+        products = self.store.standalone(absorbed=False)
         for item in items:
-            if isinstance(item, PendingGather) and item in self.store.items:
-                ordered += [
-                    p for p in self.store.standalone(absorbed=False)
-                    if p not in keep and (p.tid > item.tid or is_weight_gradient(p))
-                ]
+            if products and isinstance(item, PendingGather) and item in self.store.items:
+                ordered += [p for p in products if p not in keep and (p.tid > item.tid or is_weight_gradient(p))]
             ordered.append(item)
         return ordered
 
@@ -472,12 +474,15 @@ class Engine:
     def _data_gathers(self, scale: PendingGather, items: list[Pending]) -> bool:
         """True if ``scale`` is the row-wise scale of consumers of a gather among
         ``items`` still pending: that gather completes it."""
+        if not scale.scale_of:  # NB: the common case, without the generators' frames
+            return False
         return any(any(self.store.owner(mm.out) is item for item in items) for mm in scale.scale_of)
 
     def _complete_gather(self, gather: PendingGather, reason: str | Reason) -> None:
         # Scale gathers in flight that the consumers read row by row: waited for
         # per chunk inside the plan, completed right after (Note [Gathered row-wise scales]).
-        plan = AllGatherMatmulPlan(gather, [g for g in gather.scale_gathers() if g in self.store.items])
+        scales = gather.scale_gathers()
+        plan = AllGatherMatmulPlan(gather, [g for g in scales if g in self.store.items] if scales else [])
         whole = plan.lands_whole()
         if whole:  # the whole matmuls read whole scales: complete them first
             self._complete_scales(plan.scales, reason)
@@ -632,7 +637,9 @@ class Engine:
     def _bound_output(self, t: torch.Tensor) -> tuple[PendingGather, PendingMatmul] | None:
         """The gather in flight and the matmul bound to it as A rows whose
         whole output ``t`` is, if it is one that ``unbind_consumer`` can unbind."""
-        gather = self.store.owner(t) if self.store.items else None
+        if not self.store.items:
+            return None
+        gather = self.store._owner.get(t.untyped_storage()._cdata)  # NB: store.owner, one frame shorter
         if not isinstance(gather, PendingGather):
             return None
         mm = gather.consumer_writing(t)
@@ -1006,7 +1013,9 @@ class Engine:
         unless the collective is issued as written (``marks_past=False``)."""
         if marks_past:
             self.before_collective = self.store.last_tid
-        return self.trace.new_collective(kind, src=Meta.of(src), dst=Meta.of(dst), group=group)
+        # NB: Meta.of(src), Meta.of(dst), two frames shorter.
+        src_meta, dst_meta = _new_tuple(Meta, (src.dtype, src.shape)), _new_tuple(Meta, (dst.dtype, dst.shape))
+        return self.trace.new_collective(kind, src=src_meta, dst=dst_meta, group=group)
 
 
 class _IssuingWork:
@@ -1023,7 +1032,9 @@ class _IssuingWork:
     def __enter__(self) -> None:
         engine = self.engine
         if not engine.issuing and engine.unseen.known:  # Note [Collectives the mode did not see]
-            engine.check_unseen()
+            found = engine.unseen.check_all()  # NB: Engine.check_unseen, one frame shorter
+            if found:
+                engine.record_unseen(found)
         self.below_autograd = torch._C._AutoDispatchBelowADInplaceOrView()
         self.below_autograd.__enter__()
         self.was_issuing, engine.issuing = engine.issuing, True

@@ -75,14 +75,14 @@ class AllGatherMatmulPlan:
     scales: list[PendingGather] = dataclasses.field(default_factory=list)
     whole: bool = False  # every chunk had landed: consumers ran on whole tensors
     kind = "all_gather"
+    # NB: attributes, not properties: read several times per fused call. The
+    # consumers are bound by then: the plan completes the gather.
+    fused: bool = dataclasses.field(init=False)
+    name: str = dataclasses.field(init=False)  # the stats key and profiler range
 
-    @property
-    def fused(self) -> bool:
-        return bool(self.gather.consumers)
-
-    @property
-    def name(self) -> str:
-        return "all_gather_matmul" if self.fused else "all_gather"
+    def __post_init__(self) -> None:
+        self.fused = bool(self.gather.consumers)
+        self.name = "all_gather_matmul" if self.fused else "all_gather"
 
     @property
     def record(self) -> CollectiveRecord:
@@ -116,7 +116,7 @@ class AllGatherMatmulPlan:
         hid), so the consumers should run on the whole tensors at once: one
         matmul each, as plain eager runs them, with nothing left to overlap
         (Note [Landed gathers])."""
-        return WHOLE_WHEN_LANDED and bool(self.gather.consumers) and bool(self._handle().landed())
+        return WHOLE_WHEN_LANDED and self.fused and bool(self._handle().landed())
 
     def run(self, *, whole: bool = False, own_chunk_unread: bool = False) -> None:
         """Bind the consumers to the gather in flight and complete it: chunk by
@@ -163,16 +163,21 @@ class AllGatherMatmulPlan:
         # plain eager's cat would do, overlapped with the transfers), unless the
         # program can no longer see them (a cat that only fed the matmuls). Cast
         # views hold the data their consumers read; verify checks every view.
-        steps = [
-            view.fill
-            for view in g.views[1:]
-            if not view.derived and (view.cast or g.reference is not None or view.observed())
-        ]
+        # NB: loops, not comprehensions: once per gather, most lists empty.
+        steps = []
+        for view in g.views[1:]:
+            if not view.derived and (view.cast or g.reference is not None or view.observed()):
+                steps.append(view.fill)
         # Row-wise ops on the rows, in program order, before the matmuls that
         # read their results (Note [Row-wise ops on gathered rows] in eagertp.rowwise).
-        steps += [step.run for step in g.steps]
-        whole = g.out.view(g.group.size(), *g.shard.shape)  # whole[i]: rank i's shard, once arrived
-        steps += [_chunk_step(mm, whole, self._scale_rows(mm)) for mm in g.consumers]
+        for step in g.steps:
+            steps.append(step.run)
+        accumulates = False  # a contraction over the gathered rows adds every chunk's product into one output
+        if g.consumers:
+            whole = g.out.view(g.group.size(), *g.shard.shape)  # whole[i]: rank i's shard, once arrived
+            for mm in g.consumers:
+                steps.append(_chunk_step(mm, whole, None if mm.scale_gather is None else self._scale_rows(mm)))
+                accumulates = accumulates or mm.operand is not Operand.ROWS
         if not steps:
             return None
 
@@ -186,10 +191,7 @@ class AllGatherMatmulPlan:
             for step in steps:
                 step(piece, src, rows)
 
-        # Contractions over the gathered rows add every chunk's product into one output.
-        if any(mm.operand is not Operand.ROWS for mm in g.consumers):
-            return OrderedConsumer(consume)
-        return RowsConsumer(consume)
+        return OrderedConsumer(consume) if accumulates else RowsConsumer(consume)
 
     def _scale_rows(self, mm: PendingMatmul) -> ScaleRows | None:
         """Where ``mm``'s consumer reads its ``scale_a`` rows, if from a scale
@@ -275,10 +277,13 @@ class ReduceScatterPlan:
     product: Product | None = None  # fused: the matmul (or sum of matmuls) to produce
     scatter_view: ScatterView | None = None  # fused, scattering along dim > 0
     kind = "reduce_scatter"
+    # NB: attributes, not properties: read several times per fused call.
+    fused: bool = dataclasses.field(init=False)
+    name: str = dataclasses.field(init=False)  # the stats key and profiler range
 
-    @property
-    def fused(self) -> bool:
-        return self.product is not None
+    def __post_init__(self) -> None:
+        self.fused = self.product is not None
+        self.name = "matmul_reduce_scatter" if self.fused else "reduce_scatter"
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -302,10 +307,6 @@ class ReduceScatterPlan:
         if self.product is not None:
             what = f"{self.product.describe()} then {what}"
         return [(what, self.out, self.reference(), self.product is None)]
-
-    @property
-    def name(self) -> str:
-        return "matmul_reduce_scatter" if self.fused else "reduce_scatter"
 
     def producer(self) -> ChunkProducer:
         if self.product is None:
@@ -380,11 +381,10 @@ class ReduceScatterPlan:
 
         return produce
 
-    def trace_event(self, backend: str, name: str) -> tuple:
-        """``(render, *args)`` for ``Trace.event``, once run (``name``: its
-        ``name``): no tensors kept."""
+    def trace_event(self, backend: str) -> tuple:
+        """``(render, *args)`` for ``Trace.event``, once run: no tensors kept."""
         src = self.product.tid if self.product is not None else Meta.of(self.inp)
-        return _render_scatter_plan, name, self.reduce_op, src, backend
+        return _render_scatter_plan, self.name, self.reduce_op, src, backend
 
     def reference(self) -> torch.Tensor:
         """Plain eager: the whole matmul, then the collective."""
@@ -508,8 +508,17 @@ def _chunk_step(mm: PendingMatmul, whole: torch.Tensor, scale_rows: ScaleRows | 
     assert view is not None, "only gather consumers have chunk steps"
     part = _rows_part(mm, view, scale_rows) if mm.operand is Operand.ROWS else _accumulate_part(mm, view)
     # The [M, X] operand whose rows follow the gathered rows (COLS splits columns).
-    rows_view = {Operand.ROWS: mm.out, Operand.ROWS_T: mm.b, Operand.B_ROWS: mm.a}.get(mm.operand)
-    if rows_view is None or view.aligned(rows_view if mm.operand is not Operand.B_ROWS else rows_view.t()):
+    # NB: by identity: Enum's __hash__ (a dict of operands) is a Python frame.
+    operand = mm.operand
+    if operand is Operand.ROWS:
+        rows_view = mm.out
+    elif operand is Operand.ROWS_T:
+        rows_view = mm.b
+    elif operand is Operand.B_ROWS:
+        rows_view = mm.a.t()
+    else:
+        return part
+    if view.aligned(rows_view):
         return part
     shard_rows = view.shard_rows
 
