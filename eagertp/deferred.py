@@ -898,7 +898,10 @@ class PendingGather:
 
     def view_of(self, t: torch.Tensor) -> GatheredView | None:
         key = storage_key(t)
-        return next((v for v in self.views if storage_key(v.tensor) == key), None)
+        for v in self.views:  # NB: a loop: every matmul on a gather asks
+            if v.tensor.untyped_storage()._cdata == key:
+                return v
+        return None
 
     def placeholders(self) -> list[torch.Tensor]:
         found = [v.tensor for v in self.views]
@@ -1105,7 +1108,7 @@ class PendingStore:
 
     def gathered_view_of(self, t: torch.Tensor) -> tuple[PendingGather, GatheredView] | None:
         """The pending gather and its view that ``t`` views, if any."""
-        item = self.owner(t)
+        item = self._owner.get(t.untyped_storage()._cdata)
         if isinstance(item, PendingGather):
             view = item.view_of(t)
             if view is not None:

@@ -3,7 +3,6 @@ handler table (``eagertp.table``) that the families fill."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -94,7 +93,9 @@ class EagerTPMode(TorchDispatchMode):
                 return func._op(*args, **kwargs)
             return engine.run_plain(func, args, kwargs)
         if engine.store.sending:  # an in-place collective may write a shard in flight
-            engine.release_shards(func, written_tensors(func, args, kwargs))
+            written = written_tensors(func, args, kwargs)
+            if written:
+                engine.release_shards(func, written)
         return handler(engine, func, args, kwargs)
 
 
@@ -112,7 +113,16 @@ class EagerTPMode(TorchDispatchMode):
 # path, which rewraps them). A wrapper of anything else (a collective issued as
 # written, on a group we do not manage) takes torch's path and really waits.
 _ASYNC_ONLY = (AsyncCollectiveTensor,)
-_is_view = functools.cache(funcol_is_view_op)
+# NB: keyed by ``func._op`` (C's hash; eagertp.table says why).
+_VIEWS: dict[Any, bool] = {}
+
+
+def _is_view(func: torch._ops.OpOverload) -> bool:
+    found = _VIEWS.get(func._op)
+    if found is None:
+        found = _VIEWS[func._op] = funcol_is_view_op(func)
+    return found
+
 
 
 def _unwrap_pending_async(engine: Engine, func, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -121,12 +131,26 @@ def _unwrap_pending_async(engine: Engine, func, args: tuple, kwargs: dict) -> tu
     would), or None where the wrapper's own path must run."""
     if _is_view(func):
         return None
-    wrappers = [t for t in tensor_leaves(args, kwargs) if type(t) is AsyncCollectiveTensor]
-    if not wrappers or any(engine.store.owner(w.elem) is None for w in wrappers):
+    # NB: loops, not comprehensions: every op on funcol's result passes here.
+    owner = engine.store.owner
+    wrappers = []
+    for t in tensor_leaves(args, kwargs):
+        if type(t) is AsyncCollectiveTensor:
+            if owner(t.elem) is None:
+                return None
+            wrappers.append(t)
+    if not wrappers:
         return None
     for w in wrappers:
         w.completed = True
-    return tuple(_unwrapped(a) for a in args), {k: _unwrapped(v) for k, v in kwargs.items()}
+    unwrapped_args = []
+    for a in args:
+        if type(a) is AsyncCollectiveTensor:
+            a = a.elem
+        elif isinstance(a, (list, tuple)):
+            a = _unwrapped(a)
+        unwrapped_args.append(a)
+    return tuple(unwrapped_args), ({k: _unwrapped(v) for k, v in kwargs.items()} if kwargs else kwargs)
 
 
 def _unwrapped(a: Any) -> Any:

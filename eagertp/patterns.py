@@ -109,7 +109,7 @@ class AllGatherMatmulPlan:
 
     def scale_of(self) -> list[str]:
         """The fused matmuls whose row-wise ``scale_a`` this gather is."""
-        return [mm.describe() for mm in self.gather.scale_of]
+        return [mm.describe() for mm in self.gather.scale_of] if self.gather.scale_of else []
 
     def lands_whole(self) -> bool:
         """True if every chunk has landed already (a prefetch that other work
@@ -213,7 +213,8 @@ class AllGatherMatmulPlan:
         """``(render, *args)`` for ``Trace.event``, once run: no tensors kept,
         formatted when read (Note [Formatted when read] in eagertp.trace)."""
         g = self.gather
-        consumers, scale_of = [mm.tid for mm in g.consumers], [mm.tid for mm in g.scale_of]
+        consumers = [mm.tid for mm in g.consumers] if g.consumers else []
+        scale_of = [mm.tid for mm in g.scale_of] if g.scale_of else []
         return _render_gather_plan, self.name, g.tid, consumers, scale_of, self.whole, backend
 
     def reference(self, ag: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
