@@ -24,19 +24,19 @@ WORLDS = [2, 4]
 
 def test_piece_rows_depend_on_shape_only():
     split = {"max_pieces": 4, "min_bytes": 64 * 1024}
-    assert piece_rows(torch.empty(1, 8), "all_gather", **split) == [slice(0, 1)]
-    assert piece_rows(torch.empty(1024, 1024), "all_gather", **split) == [
+    assert piece_rows(torch.empty(1, 8), "all_gather", **split) == (slice(0, 1),)
+    assert piece_rows(torch.empty(1024, 1024), "all_gather", **split) == (
         slice(0, 256), slice(256, 512), slice(512, 768), slice(768, 1024)
-    ]
-    assert piece_rows(torch.empty(3, 8), "all_gather", **split) == [slice(0, 3)]  # 96 bytes: below the minimum piece
+    )
+    assert piece_rows(torch.empty(3, 8), "all_gather", **split) == (slice(0, 3),)  # 96 bytes: below the minimum piece
     # The defaults (Note [Pieces]): up to 2 pieces of a gathered shard, 1 of a
     # reduce-scattered chunk, up to 2 of an all-reduced one from 2 MiB.
-    assert piece_rows(torch.empty(1024, 1024), "all_gather") == [slice(0, 512), slice(512, 1024)]
-    assert piece_rows(torch.empty(1024, 1024), "reduce_scatter") == [slice(0, 1024)]
-    assert piece_rows(torch.empty(1024, 1024), "all_reduce") == [slice(0, 512), slice(512, 1024)]
-    assert piece_rows(torch.empty(512, 512), "all_reduce") == [slice(0, 512)]  # 1 MiB: whole
+    assert piece_rows(torch.empty(1024, 1024), "all_gather") == (slice(0, 512), slice(512, 1024))
+    assert piece_rows(torch.empty(1024, 1024), "reduce_scatter") == (slice(0, 1024),)
+    assert piece_rows(torch.empty(1024, 1024), "all_reduce") == (slice(0, 512), slice(512, 1024))
+    assert piece_rows(torch.empty(512, 512), "all_reduce") == (slice(0, 512),)  # 1 MiB: whole
     # A batch of one splits along the dim after it: the same bytes as [1024, 1024].
-    assert piece_rows(torch.empty(1, 1024, 1024), "all_gather") == [slice(0, 512), slice(512, 1024)]
+    assert piece_rows(torch.empty(1, 1024, 1024), "all_gather") == (slice(0, 512), slice(512, 1024))
 
 
 def test_wire_rows_split_each_piece_where_it_holds_the_minimum_twice():

@@ -73,7 +73,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -240,6 +240,9 @@ class _P2PGather:
         # NB: wait_chunk and consume share the receives, release_shard and
         # consume the sends: a gloo Work may be waited for once only.
         self._recvs = _Receives(recvs, self._what, group, on_cpu=ag_out.device.type == "cpu")
+        # NB: gloo's receives, one Work each (NCCL: none; the batch's one Work
+        # is in _rest): ``bool(self._recvs)`` without its __len__ frame.
+        self._per_receive = bool(recvs)
 
     def _fill_own(self) -> None:
         if self._shard is not None:
@@ -251,14 +254,14 @@ class _P2PGather:
     def release_shard(self) -> None:
         self._fill_own()  # NB: before the program overwrites the shard
         self._wait(self._rest)
-        if self._recvs:  # gloo: the sends, waited for once (NCCL: the batch's one Work)
+        if self._per_receive:  # gloo: the sends, waited for once (NCCL: the batch's one Work)
             self._rest = []
 
     def wait_chunk(self, src: int) -> None:
         if src == self._rank:
             self._fill_own()
             return
-        if not self._recvs:
+        if not self._per_receive:
             self._wait(self._rest)
             return
         for piece in self._pieces:
@@ -274,11 +277,11 @@ class _P2PGather:
             self._shard = None  # never filled: nothing will read it
         else:
             self._fill_own()  # while the peers' pieces land
-        if not self._recvs:
+        if not self._per_receive:
             self._wait(self._rest)
         by_message = isinstance(consumer, RowsConsumer)
         for src, rows, piece, received, split in self._pieces:
-            if self._recvs:
+            if self._per_receive:
                 if by_message and len(split) > 1 and self._waited_for(received[0]):
                     # Behind the wire: each message as it lands (Note [Wire pieces]).
                     for i, message in zip(received, split):
@@ -307,7 +310,7 @@ class _P2PGather:
         self._recvs.watch()
 
     def landed(self) -> bool | None:
-        if self._recvs or self._chunks.device.type == "cpu":
+        if self._per_receive or self._chunks.device.type == "cpu":
             return self._recvs.landed()
         return all(work.is_completed() for work, _ in self._rest)  # NCCL's one Work: its CUDA event
 
@@ -455,7 +458,7 @@ class _Links:
         wait_for_peer(work, self.what, self.group, self.recv_from)
 
     def reduce_scatter(
-        self, producer: ChunkProducer, out: torch.Tensor, reduce_op: str, rows: list[slice]
+        self, producer: ChunkProducer, out: torch.Tensor, reduce_op: str, rows: Sequence[slice]
     ) -> None:
         """The ring of partial sums (module docstring), each chunk produced,
         combined and sent on in pieces ``rows``; leaves ``out`` reduced (not yet
@@ -759,7 +762,7 @@ WIRE_SPLIT = 2
 WAITED_S = 300e-6
 
 
-def wire_rows(shard: torch.Tensor, rows: list[slice]) -> list[list[slice]]:
+def wire_rows(shard: torch.Tensor, rows: Sequence[slice]) -> list[list[slice]]:
     """Per piece ``rows[i]`` of ``shard``, the rows its messages carry (Note
     [Wire pieces]): two halves where each holds the kind's minimum bytes,
     else the piece itself."""
@@ -771,7 +774,7 @@ def wire_rows(shard: torch.Tensor, rows: list[slice]) -> list[list[slice]]:
     return [_split_rows(r.start, r.stop - r.start, row_bytes, WIRE_SPLIT, min_bytes) for r in rows]
 
 
-def pieces_of(t: torch.Tensor, rows: list[slice]) -> list[torch.Tensor]:
+def pieces_of(t: torch.Tensor, rows: Sequence[slice]) -> list[torch.Tensor]:
     """``[shard_piece(t, r) for r in rows]``, ``rows`` the ``piece_rows`` of a
     tensor shaped as ``t``: one piece is ``t`` itself (NB: the common case, and
     a view costs several us on the ring's path)."""
@@ -782,14 +785,25 @@ def pieces_of(t: torch.Tensor, rows: list[slice]) -> list[torch.Tensor]:
 
 def piece_rows(
     chunk: torch.Tensor, kind: str, max_pieces: int | None = None, min_bytes: int | None = None
-) -> list[slice]:
+) -> tuple[slice, ...]:
     """How one chunk of a ``kind`` collective is split along its ``piece_dim``
-    for the ring (Note [Pieces]): a function of its shape and dtype only."""
-    default_max, default_min = PIECES[kind]
-    max_pieces = default_max if max_pieces is None else max_pieces
-    min_bytes = default_min if min_bytes is None else min_bytes
-    n_rows = chunk.shape[piece_dim(chunk.shape)] if chunk.dim() else 1
-    return _split_rows(0, n_rows, chunk.numel() * chunk.element_size() // max(n_rows, 1), max_pieces, min_bytes)
+    for the ring (Note [Pieces]): a function of its shape and dtype only, so
+    asked once per shape (a tuple: the same one again for the same shape)."""
+    key = (kind, PIECES[kind], max_pieces, min_bytes, chunk.shape, chunk.dtype)  # NB: PIECES may change (tests)
+    rows = _piece_rows.get(key)
+    if rows is None:
+        default_max, default_min = PIECES[kind]
+        max_pieces = default_max if max_pieces is None else max_pieces
+        min_bytes = default_min if min_bytes is None else min_bytes
+        n_rows = chunk.shape[piece_dim(chunk.shape)] if chunk.dim() else 1
+        row_bytes = chunk.numel() * chunk.element_size() // max(n_rows, 1)
+        rows = _piece_rows[key] = tuple(_split_rows(0, n_rows, row_bytes, max_pieces, min_bytes))
+    return rows
+
+
+# (kind, PIECES[kind], max_pieces, min_bytes, shape, dtype) -> piece_rows's answer; bounded by the
+# shapes a program's collectives take.
+_piece_rows: dict[tuple, tuple[slice, ...]] = {}
 
 
 def _split_rows(start: int, n_rows: int, row_bytes: int, max_pieces: int, min_bytes: int) -> list[slice]:
