@@ -13,9 +13,15 @@ each form as a program writes it, then ``.sum()``:
 - ``all_gather_matmul``: ``funcol.all_gather_single(a, 0, group) @ b``
 - ``deferred_matmul``: ``(a @ b).relu()``: a matmul eagertp defers until the
   next op shows what it feeds (every matmul in a block pays this)
+- ``train_step``, ``train_step_no_sp``: one training step (forward, MSE loss,
+  backward) of the demo's model (``eagertp.demo``: 2 blocks, DTensor TP with
+  sequence parallel, or plain TP), at dims where compute is near zero (batch
+  2, sequence 16, width 64, 4 heads), each step its own block: the whole
+  host cost of a step, DTensor's and autograd's included
 
 Each form runs ``--calls`` times in an empty ``TorchDispatchMode`` and in
-``EagerMicroPipeline(min_fuse_bytes=0)``, every rank under callgrind. A form's
+``EagerMicroPipeline(min_fuse_bytes=0)``, every rank under callgrind (a
+training step enters the mode per step; the others run in one block). A form's
 timed calls run inside one C function of CPython's that nothing else here calls
 (``--toggle-collect``), so only they are counted, with everything they call on
 rank 0's own thread: not imports, start-up or warm-up, and not gloo's threads
@@ -30,6 +36,7 @@ difference). Takes a few minutes: callgrind runs Python about 50x slower.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import operator
 import os
@@ -52,7 +59,13 @@ ENTRY_POINTS = {
     "deferred_matmul": (
         "filterfalse_next", lambda run, fn, calls: list(itertools.filterfalse(lambda _: run(fn, calls), [0]))
     ),
+    "train_step": ("dropwhile_next", lambda run, fn, calls: list(itertools.dropwhile(lambda _: run(fn, calls), [0]))),
+    "train_step_no_sp": (
+        "takewhile_next", lambda run, fn, calls: list(itertools.takewhile(lambda _: run(fn, calls), [0]))
+    ),
 }
+# Forms that are a whole training step: the mode entered per step.
+STEPS = ("train_step", "train_step_no_sp")
 MODES = ("empty", "eagertp")
 _WARMUP = 10
 
@@ -82,10 +95,12 @@ def rank_program(args: argparse.Namespace) -> None:
         import torch.distributed as dist
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from eagertp import EagerMicroPipeline
-        from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
-
         import torch.distributed._functional_collectives as funcol
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from eagertp import EagerMicroPipeline, demo
+        from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
 
     class EmptyMode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -103,20 +118,50 @@ def rank_program(args: argparse.Namespace) -> None:
         "deferred_matmul": lambda: (a @ b).relu().sum(),
     }
 
+    pipe = EagerMicroPipeline(min_fuse_bytes=0)
+    mesh = init_device_mesh("cpu", (int(world),))
+    for name, sequence_parallel in (("train_step", True), ("train_step_no_sp", False)):
+        if name in args.forms:
+            step_args = argparse.Namespace(
+                layers=2, batch=2, seq=16, dim=64, heads=4, sequence_parallel=sequence_parallel
+            )
+            model = demo.build_model(step_args, mesh)
+            x, target = (
+                demo.local_input(torch.randn(2, 16, 64), sequence_parallel, int(rank), int(world)) for _ in range(2)
+            )
+            block = EmptyMode if mode == "empty" else (lambda: pipe)
+            forms[name] = functools.partial(_train_step, block, model, x, target, F)
+
     def run(fn, calls: int) -> int:
         for _ in range(calls):
             fn()
         return 0
 
-    with EmptyMode() if mode == "empty" else EagerMicroPipeline(min_fuse_bytes=0) as pipe:
-        for form in args.forms:
+    calls = [form for form in args.forms if form not in STEPS]
+    with EmptyMode() if mode == "empty" else pipe:
+        for form in calls:
             run(forms[form], _WARMUP)
             dist.barrier()
             ENTRY_POINTS[form][1](run, forms[form], args.calls)
-    if mode == "eagertp":  # what was counted is what the tests prove: the fused paths ran
         fused = {k: pipe.stats[k] for k in ("matmul_reduce_scatter", "matmul_all_reduce", "all_gather_matmul")}
+    steps = {}
+    for form in args.forms:
+        if form in STEPS:
+            run(forms[form], _WARMUP)
+            dist.barrier()
+            ENTRY_POINTS[form][1](run, forms[form], args.calls)
+            steps[form] = dict(pipe.stats)  # the last step's
+    if mode == "eagertp":  # what was counted is what the tests prove: the fused paths ran
         print(f"stats {fused}")
+        for form, stats in steps.items():
+            print(f"{form} stats {stats}")
     dist.destroy_process_group()
+
+
+def _train_step(block, model, x, target, F) -> None:
+    """One training step in its own block (``block()``: the mode to enter)."""
+    with block():
+        F.mse_loss(model(x), target).backward()
 
 
 def _count(callgrind_out: str, calls: int) -> dict[str, float]:

@@ -180,15 +180,16 @@ class Engine:
         """Run an op no handler fuses, after completing the pending work it
         reads (or all of it, if it writes an input of pending work)."""
         if self.store.items:
-            if (_OP_FACTS.get(func._op) or op_facts(func)).composite:
-                if self.store.touched(tensor_leaves(args, kwargs)) is not None:
-                    return self.decompose(func, args, kwargs)
+            facts = _OP_FACTS.get(func._op) or op_facts(func)
+            tensors = tensor_leaves(args, kwargs)
+            if facts.composite and self.store.touched(tensors) is not None:
+                return self.decompose(func, args, kwargs)
             why = None
             if func._op in rowwise.ANY_RULE:
                 result, why = rowwise.defer(self, func, args, kwargs)
                 if why is None and result is not None:
                     return result
-            self.complete_for(func, args, kwargs, why)
+            self._complete_for(func, args, kwargs, facts, tensors, why)
         return func._op(*args, **kwargs)  # NB: OpOverload.__call__ is a Python frame
 
     def decompose(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -215,13 +216,19 @@ class Engine:
         first, if it writes the shard of gathers in flight, their sends.
         ``not_rowwise``: why the op, in the table of row-wise ops, does not
         run on the rows it reads (the reason says so)."""
-        written = written_tensors(func, args, kwargs)
-        if written:
-            # NB: the owners of what it writes are among what it reads, below.
-            self.before_write(func, written, owners=False)
-        tensors = tensor_leaves(args, kwargs)
+        self._complete_for(func, args, kwargs, op_facts(func), tensor_leaves(args, kwargs), not_rowwise)
+
+    def _complete_for(
+        self, func: Any, args: tuple, kwargs: dict, facts: OpFacts, tensors: list[torch.Tensor], not_rowwise: str | None
+    ) -> None:
+        """``complete_for``, given the op's facts and its tensor arguments."""
+        if facts.written:
+            written = written_tensors(func, args, kwargs)
+            if written:
+                # NB: the owners of what it writes are among what it reads, below.
+                self.before_write(func, written, owners=False)
         first = self.store.touched(tensors)
-        if first is not None and not (_OP_FACTS.get(func._op) or op_facts(func)).metadata_only:
+        if first is not None and not facts.metadata_only:
             why = None if not_rowwise is None else f"read ${self.store.tid_of(first)}, not row by row: {not_rowwise}"
             self.complete_owners(tensors, func, why, first=first)
 
@@ -346,7 +353,8 @@ class Engine:
                 reason = Reason("{} {}", func, why)
             self.trace.event("wait: {}", reason)
             self.complete(owners, reason)
-            self.complete_orphaned_weight_gradients(func)
+            if self.store.items:
+                self.complete_orphaned_weight_gradients(func)
 
     def complete_work_past(self, func: Any, mark: int) -> None:
         """Everything Note [Products past their collective] computes or drops
@@ -432,7 +440,7 @@ class Engine:
                 break
         else:  # NB: the hot path (a read of a product): no gather, nothing to order
             ordered = items
-        with self.issuing_work():
+        with _IssuingWork(self):  # NB: issuing_work(), one frame shorter
             for item in ordered:
                 if item not in self.store.items:
                     continue  # completed earlier in this call, as work in flight
