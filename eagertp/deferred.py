@@ -996,11 +996,13 @@ class PendingStore:
         """A standalone matmul or sum (again, after a fused reduce-scatter took it out)."""
         # NB: on the hot path (every deferred matmul): plain loops, no generators.
         self.items.append(product)
-        owner = self._owner
+        owner, inputs = self._owner, self._inputs
         owner[product.out.untyped_storage()._cdata] = product
         for sv in product.scatter_views:
             owner[storage_key(sv.tensor)] = product
-        self._read(product.inputs())
+        for t in product.inputs():  # NB: _read, one frame shorter
+            key = t.untyped_storage()._cdata
+            inputs[key] = inputs.get(key, 0) + 1
 
     def add_epilogue(self, product: PendingMatmul, epilogue: Epilogue) -> None:
         """An in-place op on ``product``'s output, kept with it (Note [Epilogues])."""
@@ -1132,7 +1134,7 @@ class PendingStore:
 
     def tid_of(self, t: torch.Tensor) -> int:
         """The trace id of the placeholder ``t`` views."""
-        key = storage_key(t)
+        key = t.untyped_storage()._cdata
         item = self._owner[key]
         if not isinstance(item, PendingGather):
             return item.tid  # its output and its scatter views share its id

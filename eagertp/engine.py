@@ -431,36 +431,50 @@ class Engine:
         to it, each product computed (or skipped if nothing can read it).
         ``keep``: products not to compute as work in flight, although they are
         (the input of the collective that completes these items, which takes it)."""
-        # Complete every item even if one fails, so that no placeholder is left
-        # unfilled and no transfer half-received; then raise the first failure.
-        failure: BaseException | None = None
         for item in items:
             if isinstance(item, PendingGather):
-                ordered = self._with_work_in_flight(items, keep)
+                with _IssuingWork(self):  # NB: issuing_work(), one frame shorter
+                    failure = self._complete_items(self._with_work_in_flight(items, keep), items, reason)
                 break
-        else:  # NB: the hot path (a read of a product): no gather, nothing to order
-            ordered = items
-        with _IssuingWork(self):  # NB: issuing_work(), one frame shorter
-            for item in ordered:
-                if item not in self.store.items:
-                    continue  # completed earlier in this call, as work in flight
-                if isinstance(item, PendingGather) and self._data_gathers(item, items):
-                    continue  # completed right after them (Note [Gathered row-wise scales])
-                self.store.remove(item)
-                try:
-                    if isinstance(item, PendingGather):
-                        self._complete_gather(item, reason)
-                    elif item.absorbed and item.unobserved():
-                        # Its fused consumer already produced what it needed
-                        # and nothing else can read it: computing it is waste.
-                        self.trace.event("skip ${}: nothing can read it", item.tid)
-                    else:
-                        self.count_matmul_work()
-                        item.issue_standalone()
-                except BaseException as e:  # noqa: B036 - re-raised below
-                    failure = failure or e
+        else:
+            # NB: the hot path, a read of products: nothing to order, and nothing
+            # communicates (no watch of unseen communication, Note [Collectives
+            # the mode did not see]): only placeholders filled below autograd,
+            # as issuing_work() fills them.
+            was_issuing, self.issuing = self.issuing, True
+            try:
+                with torch._C._AutoDispatchBelowADInplaceOrView():
+                    failure = self._complete_items(items, items, reason)
+            finally:
+                self.issuing = was_issuing
         if failure is not None:
             raise failure
+
+    def _complete_items(self, ordered: list[Pending], items: list[Pending], reason: str | Reason) -> BaseException | None:
+        """``complete``'s work on ``ordered`` (``items`` and the work in flight
+        before their gathers). Completes every item even if one fails, so that
+        no placeholder is left unfilled and no transfer half-received; returns
+        the first failure, for the caller to raise."""
+        failure: BaseException | None = None
+        for item in ordered:
+            if item not in self.store.items:
+                continue  # completed earlier in this call, as work in flight
+            if isinstance(item, PendingGather) and self._data_gathers(item, items):
+                continue  # completed right after them (Note [Gathered row-wise scales])
+            self.store.remove(item)
+            try:
+                if isinstance(item, PendingGather):
+                    self._complete_gather(item, reason)
+                elif item.absorbed and item.unobserved():
+                    # Its fused consumer already produced what it needed
+                    # and nothing else can read it: computing it is waste.
+                    self.trace.event("skip ${}: nothing can read it", item.tid)
+                else:
+                    self.count_matmul_work()
+                    item.issue_standalone()
+            except BaseException as e:  # noqa: B036 - returned, raised by the caller
+                failure = failure or e
+        return failure
 
     def _with_work_in_flight(self, items: list[Pending], keep: Sequence[Pending] = ()) -> list[Pending]:
         """``items``, each gather preceded by every standalone product still
