@@ -169,6 +169,45 @@ class RingBackend:
         return _InterleavedAllReduce(producer, out, group, reduce_op)
 
 
+class _GatherLayout(NamedTuple):
+    """What a 2-rank-or-more gather's messages and pieces are: a function of
+    the shard's shape and dtype, the group's size, this rank and the device
+    kind only, so worked out once per shape (``_gather_layout``)."""
+
+    rows: tuple[slice, ...]  # the pieces consumed (Note [Pieces])
+    # What travels: the pieces, each split once more on the 2-rank ring over
+    # gloo (Note [Wire pieces]); what is consumed: the pieces.
+    wire: list[list[slice]]
+    messages: list[slice]  # one shard's, in the order they land
+    # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
+    # (the ring's order, so that sums over chunks add as they always have).
+    sources: list[int]
+    received: list[list[range]]  # per source and piece: the indices of its messages among the receives
+
+
+def _gather_layout(shard: torch.Tensor, world: int, rank: int, on_cpu: bool) -> _GatherLayout:
+    # NB: PIECES and WIRE_SPLIT may change (tests, benchmarks): part of the key.
+    key = (shard.shape, shard.dtype, world, rank, on_cpu, PIECES["all_gather"], WIRE_SPLIT)
+    layout = _gather_layouts.get(key)
+    if layout is None:
+        rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
+        wire = wire_rows(shard, rows) if world == 2 and on_cpu else [[r] for r in rows]
+        messages = [w for split in wire for w in split]
+        sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
+        ends = list(itertools.accumulate(len(split) for split in wire))
+        received = [
+            [range(i * len(messages) + end - len(split), i * len(messages) + end) for end, split in zip(ends, wire)]
+            for i in range(len(sources))
+        ]
+        layout = _gather_layouts[key] = _GatherLayout(rows, wire, messages, sources, received)
+    return layout
+
+
+# (shape, dtype, world, rank, on CPU?, PIECES["all_gather"], WIRE_SPLIT) ->
+# its _GatherLayout; bounded by the shapes a program gathers.
+_gather_layouts: dict[tuple, _GatherLayout] = {}
+
+
 class _Piece(NamedTuple):
     """A piece of a peer's shard, as ``_P2PGather.consume`` runs its consumer."""
 
@@ -190,14 +229,8 @@ class _P2PGather:
         self._what = Reason("all_gather of {}", Meta.of(shard))
         transport = transport_of(group, ag_out.device, self._what)
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
-        rows = piece_rows(shard, "all_gather")  # the same on every rank: shapes only
-        # What travels: the pieces, each split once more on the 2-rank ring over
-        # gloo (Note [Wire pieces]); what is consumed: the pieces.
-        wire = wire_rows(shard, rows) if world == 2 and ag_out.device.type == "cpu" else [[r] for r in rows]
-        messages = [w for split in wire for w in split]  # one shard's, in the order they land
-        # Peers' shards in the order they are consumed, rank - 1, rank - 2, ...
-        # (the ring's order, so that sums over chunks add as they always have).
-        sources = [(rank - step) % world for step in range(1, world)] if shard.numel() else []
+        layout = _gather_layout(shard, world, rank, ag_out.device.type == "cpu")
+        rows, wire, messages, sources = layout.rows, layout.wire, layout.messages, layout.sources
         # (_isend or _irecv, tensor, peer): every receive, then every send (Note
         # [Receives first]); each send from the shard itself (Note [Sends from
         # the shard] in eagertp.engine).
@@ -222,11 +255,10 @@ class _P2PGather:
             raise peer_error(e, self._what, group, sources[0] if sources else rank) from e  # 2 ranks: the one peer
         # What is consumed, once the messages are on their way.
         self._whole = slice(0, rows[-1].stop)
-        ends = list(itertools.accumulate(len(split) for split in wire))
         self._pieces = [
-            _Piece(src, r, piece, range(i * len(messages) + end - len(split), i * len(messages) + end), split)
-            for i, src in enumerate(sources)
-            for r, piece, end, split in zip(rows, pieces_of(chunks[src], rows), ends, wire)
+            _Piece(src, r, piece, received, split)
+            for src, received_per_piece in zip(sources, layout.received)
+            for r, piece, received, split in zip(rows, pieces_of(chunks[src], rows), received_per_piece, wire)
         ]
         # This rank's chunk of ag_out: copied from the shard when consumed,
         # unless nothing reads it then (Note [This rank's chunk, unread]).
