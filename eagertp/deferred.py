@@ -975,7 +975,7 @@ class PendingStore:
         return self.last_tid
 
     def add_gather(self, gather: PendingGather) -> None:
-        key = storage_key(gather.out)
+        key = gather.out.untyped_storage()._cdata
         # NB: a gather into the program's own buffer: what filled it before
         # completed first (Note [Every write is seen] in eagertp.engine).
         assert key not in self._owner, f"all_gather ${gather.tid} into a buffer ${self._owner[key].tid} still fills"

@@ -131,15 +131,12 @@ class Engine:
             )
         return rows * cols * _WIDEST_CAST < nbytes
 
-    def manages(self, group: dist.ProcessGroup) -> bool:
-        return self.group is None or group.group_name == self.group.group_name
-
     def managed_group(self, func, group_size: int, group_name: Any) -> dist.ProcessGroup | None:
         """The collective's group if the mode manages it, else None (it passes
         through; what is in flight stays in flight)."""
         # NB: isinstance(x, ProcessGroup) is a Python __instancecheck__; funcol passes a name.
         group = c10d._resolve_process_group(group_name) if isinstance(group_name, str) else group_name
-        if not self.manages(group):
+        if self.group is not None and group.group_name != self.group.group_name:
             self.trace.pass_through(func, group_str(group))
             return None
         found = self.unseen.check(group)
@@ -180,7 +177,7 @@ class Engine:
         """Run an op no handler fuses, after completing the pending work it
         reads (or all of it, if it writes an input of pending work)."""
         if self.store.items:
-            facts = _OP_FACTS.get(func._op) or op_facts(func)
+            facts = OP_FACTS.get(func._op) or op_facts(func)
             tensors = tensor_leaves(args, kwargs)
             if facts.composite and self.store.touched(tensors) is not None:
                 return self.decompose(func, args, kwargs)
@@ -604,7 +601,7 @@ class Engine:
             out = self.placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
         record = self.new_record("all_gather", shard, out, group)
         gather = PendingGather(shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work)
-        with self.issuing_work():
+        with _IssuingWork(self):  # NB: issuing_work(), one frame shorter
             if self.verify:
                 # NB: before the backend is chosen: symm_mem's first use of a
                 # group rendezvouses, a collective that mismatched ranks would hang in.
@@ -1146,13 +1143,13 @@ class OpFacts(NamedTuple):
 
 # NB: keyed by ``func._op`` (hashed in C; OpOverload's own ``__hash__`` is a
 # Python frame, as in eagertp.table): asked for every op while work is pending.
-_OP_FACTS: dict[Callable[..., Any], OpFacts] = {}
+OP_FACTS: dict[Callable[..., Any], OpFacts] = {}
 
 
 def op_facts(func: torch._ops.OpOverload) -> OpFacts:
-    facts = _OP_FACTS.get(func._op)
+    facts = OP_FACTS.get(func._op)
     if facts is None:
-        facts = _OP_FACTS[func._op] = _op_facts(func)
+        facts = OP_FACTS[func._op] = _op_facts(func)
     return facts
 
 
@@ -1179,7 +1176,7 @@ def _op_facts(func: torch._ops.OpOverload) -> OpFacts:
 def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes: in place, ``out=``, the lists of
     ``_foreach_*_``, the outputs of c10d's collectives (lists of lists too)."""
-    facts = _OP_FACTS.get(func._op) or op_facts(func)
+    facts = OP_FACTS.get(func._op) or op_facts(func)
     if not facts.written:  # NB: most ops, on the path of every op while work is pending
         return []
     found: list[torch.Tensor] = []

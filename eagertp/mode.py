@@ -22,7 +22,7 @@ import eagertp.collectives.torch_symm_mem  # noqa: F401
 import eagertp.matmuls  # noqa: F401
 from eagertp._compat import funcol_is_view_op
 from eagertp.deferred import tensor_leaves
-from eagertp.engine import Engine, written_tensors
+from eagertp.engine import OP_FACTS, Engine, op_facts, written_tensors
 from eagertp.table import HANDLERS
 
 # Note [Subclasses desugar first]
@@ -92,7 +92,9 @@ class EagerTPMode(TorchDispatchMode):
             if not engine.store.items:
                 return func._op(*args, **kwargs)
             return engine.run_plain(func, args, kwargs)
-        if engine.store.sending:  # an in-place collective may write a shard in flight
+        # An in-place collective may write a shard in flight (NB: the op's facts
+        # asked first: written_tensors' frame only for an op that writes).
+        if engine.store.sending and (OP_FACTS.get(func._op) or op_facts(func)).written:
             written = written_tensors(func, args, kwargs)
             if written:
                 engine.release_shards(func, written)

@@ -455,7 +455,7 @@ def test_ring_landed_asks_every_receive_off_the_cpu():
     from eagertp.backends.ring import _P2PGather
 
     gather = _P2PGather.__new__(_P2PGather)
-    gather._chunks, gather._rest = torch.empty(2, 4, device="meta"), []
+    gather._chunks, gather._rest, gather._per_receive = torch.empty(2, 4, device="meta"), [], True
     works, gather._recvs = _fake_receives(True, False, on_cpu=False)
     assert gather.landed() is False
     works[1].done = True
