@@ -179,14 +179,19 @@ class Engine:
         if self.store.items:
             facts = OP_FACTS.get(func._op) or op_facts(func)
             tensors = tensor_leaves(args, kwargs)
-            if facts.composite and self.store.touched(tensors) is not None:
-                return self.decompose(func, args, kwargs)
-            why = None
-            if func._op in rowwise.ANY_RULE:
-                result, why = rowwise.defer(self, func, args, kwargs)
-                if why is None and result is not None:
-                    return result
-            self._complete_for(func, args, kwargs, facts, tensors, why)
+            if self.store.touched(tensors) is not None:
+                if facts.composite:
+                    return self.decompose(func, args, kwargs)
+                if facts.metadata_only:  # NB: a view of pending work stays pending (no row-wise op is one)
+                    return func._op(*args, **kwargs)
+                why = None
+                if func._op in rowwise.ANY_RULE:  # NB: a row-wise op reads gathered rows, so pending ones
+                    result, why = rowwise.defer(self, func, args, kwargs)
+                    if why is None and result is not None:
+                        return result
+                self._complete_for(func, args, kwargs, facts, tensors, why)
+            elif facts.written:  # NB: else it neither reads nor writes pending work (most ops)
+                self._complete_for(func, args, kwargs, facts, tensors, None)
         return func._op(*args, **kwargs)  # NB: OpOverload.__call__ is a Python frame
 
     def decompose(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:

@@ -80,9 +80,12 @@ class EagerTPMode(TorchDispatchMode):
                 unwrapped = _unwrap_pending_async(engine, func, args, kwargs)
                 if unwrapped is not None:  # Note [Pending async tensors]
                     return self.__torch_dispatch__(func, (), *unwrapped)
-            if any(issubclass(t, _PASS_THROUGH) for t in types):
+            role = _ROLES.get(types)
+            if role is None:
+                role = _ROLES[types] = _role_of(types)
+            if role is _PASS:
                 return func(*args, **kwargs)
-            if any(_has_dispatch_override(t) for t in types):
+            if role is _DESUGAR:
                 engine.unseen.handed = (types, func)  # Note [Collectives the mode did not see]
                 return NotImplemented  # Note [Subclasses desugar first]
         if engine.issuing:
@@ -162,6 +165,20 @@ def _unwrapped(a: Any) -> Any:
     if isinstance(a, (list, tuple)):
         return type(a)(_unwrapped(x) for x in a)
     return a
+
+
+# What the mode does with an op on tensor subclasses ``types``, asked once per
+# tuple of types (NB: the generators' frames, on every op of a DTensor program).
+_PASS, _DESUGAR, _PLAIN = "pass through", "desugar first", "as a plain tensor"
+_ROLES: dict[tuple[type, ...], str] = {}  # bounded by the subclasses a program uses
+
+
+def _role_of(types: tuple[type, ...]) -> str:
+    if any(issubclass(t, _PASS_THROUGH) for t in types):
+        return _PASS
+    if any(_has_dispatch_override(t) for t in types):
+        return _DESUGAR
+    return _PLAIN  # a Parameter, say: the mode handles the op itself
 
 
 def _has_dispatch_override(t: type) -> bool:
