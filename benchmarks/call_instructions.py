@@ -19,7 +19,9 @@ each form as a program writes it, then ``.sum()``:
   2, sequence 16, width 64, 4 heads), each step its own block: the whole
   host cost of a step, DTensor's and autograd's included
 
-Each form runs ``--calls`` times in an empty ``TorchDispatchMode`` and in
+Each form runs ``--calls`` times in an empty ``TorchDispatchMode``, in an
+empty one that lets tensor subclasses desugar first (as eagertp does, so it
+also sees the ops DTensor issues inside its own dispatch) and in
 ``EagerMicroPipeline(min_fuse_bytes=0)``, every rank under callgrind (a
 training step enters the mode per step; the others run in one block). A form's
 timed calls run inside one C function of CPython's that nothing else here calls
@@ -29,8 +31,8 @@ rank 0's own thread: not imports, start-up or warm-up, and not gloo's threads
 with the same ``--forms`` and ``--calls``; compare those only: another order
 or number of calls moves them by up to 20% (Python's garbage collector and
 allocator run at other calls).
-Prints rank 0's instructions per call in each mode and eagertp's own (the
-difference). Takes a few minutes: callgrind runs Python about 50x slower.
+Prints rank 0's instructions per call in each mode, eagertp's own (its
+difference from the empty mode) and eagertp's ratios to both empty modes. Takes a few minutes: callgrind runs Python about 50x slower.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ ENTRY_POINTS = {
 }
 # Forms that are a whole training step: the mode entered per step.
 STEPS = ("train_step", "train_step_no_sp")
-MODES = ("empty", "eagertp")
+MODES = ("empty", "desugaring", "eagertp")
 _WARMUP = 10
 
 
@@ -97,6 +99,8 @@ def rank_program(args: argparse.Namespace) -> None:
 
         import torch.distributed._functional_collectives as funcol
         import torch.nn.functional as F
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
         from torch.distributed.device_mesh import init_device_mesh
 
         from eagertp import EagerMicroPipeline, demo
@@ -105,6 +109,23 @@ def rank_program(args: argparse.Namespace) -> None:
     class EmptyMode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
+
+    class DesugaringMode(TorchDispatchMode):
+        """An empty mode that lets tensor subclasses run their own dispatch
+        first and sees the ops they issue, as eagertp must (Note [Subclasses
+        desugar first] in eagertp.mode): the floor of any mode that sees what
+        DTensor communicates. The empty mode runs DTensor's ops with itself off."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(
+                t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+                and not issubclass(t, (torch.nn.Parameter, FakeTensor, FunctionalTensor))
+                for t in types
+            ):
+                return NotImplemented
+            return func(*args, **(kwargs or {}))
+
+    modes = {"empty": EmptyMode, "desugaring": DesugaringMode}
 
     dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
     torch.set_num_threads(1)
@@ -129,7 +150,7 @@ def rank_program(args: argparse.Namespace) -> None:
             x, target = (
                 demo.local_input(torch.randn(2, 16, 64), sequence_parallel, int(rank), int(world)) for _ in range(2)
             )
-            block = EmptyMode if mode == "empty" else (lambda: pipe)
+            block = modes.get(mode, lambda: pipe)
             forms[name] = functools.partial(_train_step, block, model, x, target, F)
 
     def run(fn, calls: int) -> int:
@@ -138,7 +159,7 @@ def rank_program(args: argparse.Namespace) -> None:
         return 0
 
     calls = [form for form in args.forms if form not in STEPS]
-    with EmptyMode() if mode == "empty" else pipe:
+    with modes.get(mode, lambda: pipe)():
         for form in calls:
             run(forms[form], _WARMUP)
             dist.barrier()
@@ -193,7 +214,7 @@ def main(argv=None) -> None:
     toggles = [f"--toggle-collect={ENTRY_POINTS[form][0]}" for form in args.forms]
     with tempfile.TemporaryDirectory() as tmp:
         procs = {}
-        for mode in MODES:  # both modes at once: each is its own group of ranks
+        for mode in MODES:  # every mode at once: each is its own group of ranks
             port = str(_harness._free_port())
             for rank in range(world):
                 out = os.path.join(tmp, f"{mode}.{rank}.out")
@@ -212,12 +233,16 @@ def main(argv=None) -> None:
     print(f"call_instructions: {world} ranks, gloo, 64 x 64 float32, rank 0's instructions per call "
           f"(callgrind, {args.calls} calls)")
     rows = [
-        {"form": form, "empty": counts["empty"][form], "eagertp": counts["eagertp"][form],
-         "added": counts["eagertp"][form] - counts["empty"][form]}
+        {"form": form, "empty": counts["empty"][form], "desugaring": counts["desugaring"][form],
+         "eagertp": counts["eagertp"][form], "added": counts["eagertp"][form] - counts["empty"][form],
+         "ratio": counts["eagertp"][form] / counts["empty"][form],
+         "ratio_desugaring": counts["eagertp"][form] / counts["desugaring"][form]}
         for form in args.forms
     ]
     print(_harness.table(rows, [("form", "form", "s"), ("empty", "empty mode", ",.0f"),
-                                ("eagertp", "eagertp", ",.0f"), ("added", "eagertp's own", ",.0f")]))
+                                ("desugaring", "desugaring mode", ",.0f"), ("eagertp", "eagertp", ",.0f"),
+                                ("added", "eagertp's own", ",.0f"), ("ratio", "/ empty", ".2f"),
+                                ("ratio_desugaring", "/ desugaring", ".2f")]))
     print(f"eagertp {stats}")
     _harness.write_json(args.json, {"calls": args.calls, "world_size": world, "rows": rows})
 
