@@ -9,8 +9,13 @@ complete what a read needs, and flush everything. Note [Deferral boundary] in
 reduce-scatter and all-reduce families run their fused collectives in their own
 modules with the engine's small surface for them (``choose_backend``,
 ``add_gather``, ``gather_reference``, ``issue_as_is``, ``new_record``,
-``profiler_range``, ``check_ranks_agree``, ``check_equal``). The public class
-(``eagertp.pipeline``) owns the engine; the engine imports no family.
+``profiler_range``). The public class (``eagertp.pipeline``) owns the engine;
+the engine imports no family.
+
+What the engine reads, split by concern: ``eagertp.op_facts`` (what an op
+writes and reads, from its schema), ``eagertp.operands`` (which gather in
+flight a matmul consumes, and how), ``eagertp.verify`` (``verify=True``'s
+checks), ``eagertp.deferred`` (the pending records and their store).
 """
 
 from __future__ import annotations
@@ -20,13 +25,13 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from eagertp._format import dtype_str, group_str, tensor_str
+from eagertp._format import dtype_str, group_str
 from eagertp import rowwise
 from eagertp.backends import Backend, BackendChoice
 from eagertp.backends.base import all_gather_consume
@@ -52,13 +57,13 @@ from eagertp.deferred import (
     tensor_leaves,
 )
 from eagertp.patterns import AllGatherMatmulPlan, gather_signature, gathered_product, shard_producer
+from eagertp.op_facts import OP_FACTS, OpFacts, op_facts, written_tensors
+from eagertp.operands import match_gather_operand, matmul_out_dtype, same_views
 from eagertp.trace import CollectiveRecord, Meta, Reason, Text, Trace
 from eagertp.unseen import Unseen
+from eagertp.verify import check_equal, check_ranks_agree
 
 log = logging.getLogger(__name__)
-
-# Op namespaces whose ops communicate.
-COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "symm_mem"})
 
 # Bytes per element of the widest output a fused reduce-scatter takes from a
 # matmul: float32, also after autocast's cast of a half-precision one. (A cast
@@ -66,10 +71,6 @@ COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "symm_mem"})
 _WIDEST_CAST = 4
 
 _new_tuple = tuple.__new__
-
-
-class VerificationError(RuntimeError):
-    """``verify=True`` found a fused result that differs from plain eager."""
 
 
 class Engine:
@@ -179,7 +180,8 @@ class Engine:
         if self.store.items:
             facts = OP_FACTS.get(func._op) or op_facts(func)
             tensors = tensor_leaves(args, kwargs)
-            if self.store.touched(tensors) is not None:
+            first = self.store.touched(tensors)
+            if first is not None:
                 if facts.composite:
                     return self.decompose(func, args, kwargs)
                 if facts.metadata_only:  # NB: a view of pending work stays pending (no row-wise op is one)
@@ -189,7 +191,8 @@ class Engine:
                     result, why = rowwise.defer(self, func, args, kwargs)
                     if why is None and result is not None:
                         return result
-                self._complete_for(func, args, kwargs, facts, tensors, why)
+                    first = None  # NB: asked again: the attempt may have completed work
+                self._complete_for(func, args, kwargs, facts, tensors, why, first)
             elif facts.written:  # NB: else it neither reads nor writes pending work (most ops)
                 self._complete_for(func, args, kwargs, facts, tensors, None)
         return func._op(*args, **kwargs)  # NB: OpOverload.__call__ is a Python frame
@@ -221,15 +224,25 @@ class Engine:
         self._complete_for(func, args, kwargs, op_facts(func), tensor_leaves(args, kwargs), not_rowwise)
 
     def _complete_for(
-        self, func: Any, args: tuple, kwargs: dict, facts: OpFacts, tensors: list[torch.Tensor], not_rowwise: str | None
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        facts: OpFacts,
+        tensors: list[torch.Tensor],
+        not_rowwise: str | None,
+        first: torch.Tensor | None = None,
     ) -> None:
-        """``complete_for``, given the op's facts and its tensor arguments."""
+        """``complete_for``, given the op's facts, its tensor arguments and,
+        if the caller knows it, the first that is pending."""
         if facts.written:
             written = written_tensors(func, args, kwargs)
             if written:
                 # NB: the owners of what it writes are among what it reads, below.
                 self.before_write(func, written, owners=False)
-        first = self.store.touched(tensors)
+                first = None  # NB: asked again: that completed work
+        if first is None:
+            first = self.store.touched(tensors)
         if first is not None and not facts.metadata_only:
             why = None if not_rowwise is None else f"read ${self.store.tid_of(first)}, not row by row: {not_rowwise}"
             self.complete_owners(tensors, func, why, first=first)
@@ -759,7 +772,7 @@ class Engine:
             # NB: the hot path of small matmuls.
             if self.never_fused(a.shape[0], b.shape[1], a.device.type):
                 return self.run_matmul(func, args, kwargs)
-        out_dtype, rejected = _matmul_out_dtype(a, b, bias, scaled)
+        out_dtype, rejected = matmul_out_dtype(a, b, bias, scaled)
         if out_dtype is None:
             # Plain eager raises its own error, or (FP8 shapes the meta kernel's
             # stricter rules reject) runs it: unfused, and explain() says why.
@@ -772,7 +785,7 @@ class Engine:
         if self.store.items:
             self.complete_work_past(func, self.before_collective)
         if self.store.items:  # NB: again: what the call above completed may have emptied it
-            gather, view, operand, scale_gather, why_not = self._match_gather_operand(a, b, bias, scaled)
+            gather, view, operand, scale_gather, why_not = match_gather_operand(self.store, a, b, bias, scaled)
             if why_not is not None:
                 self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
             elif gather is None:
@@ -800,89 +813,6 @@ class Engine:
             scale_gather.scale_of.append(mm)
         self.trace.events.append(mm.trace_event())  # NB: what Trace.event records, one frame shorter
         return mm.out
-
-    def _match_gather_operand(
-        self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scaled: Scaled | None = None
-    ) -> tuple[PendingGather | None, GatheredView | None, Operand | None, PendingGather | None, str | None]:
-        """Which gather in flight a matmul consumes and how, and the gather in
-        flight its row-wise ``scale_a`` comes from, if any; or why it cannot."""
-        found_a, found_b = self.store.gathered_view_of(a), self.store.gathered_view_of(b)
-        if found_a is None and found_b is None:
-            return None, None, None, None, None
-        if found_a is not None and found_b is not None:
-            return None, None, None, None, "reads pending gathers as both operands"
-        gather, view = found_a or found_b
-        g = a if found_a is not None else b
-        if g.numel() == 0:
-            return None, None, None, None, "reads an empty gathered tensor: there is nothing to overlap"
-        if g.element_size() != view.tensor.element_size():
-            return None, None, None, None, (
-                f"reads the gathered {tensor_str(view.tensor)} as {tensor_str(g)}, another element size"
-            )
-        if found_a is not None and view.is_rows(a):
-            operand = Operand.ROWS
-        elif found_a is not None and view.is_rows(a.t()):
-            operand = Operand.ROWS_T
-        elif found_a is not None and view.is_cols(a):
-            operand = Operand.COLS
-        elif found_b is not None and view.is_rows(b):
-            operand = Operand.B_ROWS
-        else:
-            return None, None, None, None, (
-                f"reads the gathered tensor (gather dim {view.dim}) as {tensor_str(g)} with strides "
-                f"{g.stride()}, which does not split into per-rank blocks"
-            )
-        if scaled is not None and operand is not Operand.ROWS:
-            return None, None, None, None, (
-                f"is a scaled (FP8) matmul reading the gathered tensor as {operand.value}: only A rows fuse"
-            )
-        if g.dtype != view.tensor.dtype and operand is not Operand.ROWS:
-            return None, None, None, None, f"reads the gathered {tensor_str(view.tensor)} as {g.dtype} in a contraction"
-        scale_gather, own_scale = None, False
-        if scaled is not None and self.store.touched([scaled.scale_a]) is not None:
-            own_scale = _rows_of_own_gather(gather, view, a, scaled.scale_a)
-            if not own_scale:
-                scale_gather, why_not = self._match_scale_gather(gather, view, a, scaled.scale_a)
-                if why_not is not None:
-                    return None, None, None, None, why_not
-        others = [t for t in (a, b, bias, *([] if scaled is None else scaled.tensors())) if t is not None and t is not g]
-        if scale_gather is not None or own_scale:
-            others = [t for t in others if t is not scaled.scale_a]
-        if self.store.touched(others) is not None:
-            return None, None, None, None, "has a second pending operand"
-        return gather, view, operand, scale_gather, None
-
-    def _match_scale_gather(
-        self, gather: PendingGather, view: GatheredView, a: torch.Tensor, scale_a: torch.Tensor
-    ) -> tuple[PendingGather | None, str | None]:
-        """The gather in flight whose whole placeholder is the row-wise
-        ``scale_a`` [M, 1] of a scaled matmul on rows ``a`` of ``view``, split by
-        rank as A's rows are; or None and why not (Note [Gathered row-wise scales])."""
-        found = self.store.gathered_view_of(scale_a)
-        if found is None or found[0] is gather:
-            return None, None  # a pending product, or A's own gather: "a second pending operand"
-        scale_gather, scale_view = found
-        what = f"reads its row-wise scale_a {tensor_str(scale_a)} from all_gather #{scale_gather.record.index}"
-        if scale_gather.group.group_name != gather.group.group_name:
-            return None, f"{what}, on another group than A's ({scale_gather.record.group})"
-        if gather.scale_of or scale_gather.scale_gathers():
-            return None, f"{what}, and one of the two gathers is already another matmul's gathered scale"
-        if not _scale_rows_of(scale_a, scale_view, a):
-            return None, f"{what}, not as the whole gathered tensor seen as A's rows [{a.shape[0]}, 1]"
-        # Rank i's scale shard, flattened, must be the scales of rank i's data
-        # shard's rows, in order: the same gather dim and leading dims, one
-        # scale per row, and A's rows the gathered rows.
-        if (
-            scale_view.dim != view.dim
-            or scale_view.tensor.shape[:-1] != view.tensor.shape[:-1]
-            or scale_view.tensor.shape[-1] != 1
-            or a.shape[1] != view.tensor.shape[-1]
-        ):
-            return None, (
-                f"{what} (gathered along dim {scale_view.dim}, {tensor_str(scale_view.tensor)}), whose rows per "
-                f"rank do not follow A's (gathered along dim {view.dim}, {tensor_str(view.tensor)})"
-            )
-        return scale_gather, None
 
     def defer_cast(self, gather: PendingGather, source: GatheredView, dtype: torch.dtype) -> torch.Tensor:
         view = GatheredView(
@@ -1073,35 +1003,6 @@ class _IssuingWork:
                 engine.unseen.refresh()
 
 
-def _rows_of_own_gather(gather: PendingGather, view: GatheredView, a: torch.Tensor, scale_a: torch.Tensor) -> bool:
-    """True if a scaled matmul on rows ``a`` of ``view`` takes its row-wise
-    ``scale_a`` [M, 1] from a derived view of the same gather, with the same
-    rows: float8's row-wise quantization of the gathered rows, whose steps
-    make each chunk's scales before the matmul reads them (Note [Row-wise ops
-    on gathered rows] in eagertp.rowwise); ``PendingMatmul.compute`` selects
-    them with A's rows."""
-    found = gather.view_of(scale_a)
-    return (
-        found is not None
-        and found.derived
-        and found.dim == view.dim
-        and found.tensor.shape[:-1] == view.tensor.shape[:-1]
-        and a.shape[0] == math.prod(view.tensor.shape[:-1])
-        and _scale_rows_of(scale_a, found, a)
-    )
-
-
-def _scale_rows_of(scale_a: torch.Tensor, view: GatheredView, a: torch.Tensor) -> bool:
-    """True if ``scale_a`` is the whole of ``view`` seen as one scale per row
-    of ``a``: ``[a.shape[0], 1]``, contiguous."""
-    return (
-        scale_a.shape == (a.shape[0], 1)
-        and scale_a.is_contiguous()
-        and scale_a.storage_offset() == view.tensor.storage_offset()
-        and scale_a.numel() == view.tensor.numel()
-    )
-
-
 def _reading(item: Pending, keys: set[int]) -> list[int]:
     """The trace ids of the matmuls of ``item`` (a gather's consumers) that read
     any of the storages ``keys``."""
@@ -1126,151 +1027,3 @@ def profiler_range(name: str) -> contextlib.AbstractContextManager:
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
-# Ops that read no data of a pending tensor: views (their outputs share the
-# placeholder's storage and stay pending; every other view op qualifies too,
-# see _op_facts) and factories that take only its shape, dtype and device
-# (autograd's AccumulateGrad makes a gradient's buffer so).
-_aten = torch.ops.aten
-_PENDING_PASSTHROUGH = frozenset({
-    _aten._unsafe_view.default, _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_like.default,
-    _aten.new_zeros.default, _aten.zeros_like.default, _aten.new_ones.default, _aten.ones_like.default,
-    _aten.new_full.default, _aten.full_like.default,
-})
-
-
-class OpFacts(NamedTuple):
-    """What the engine asks of an op that touches pending work, from its schema."""
-
-    written: tuple[tuple[int, str], ...]  # (position, name) of each argument it writes
-    metadata_only: bool  # reads no data of a pending tensor (Note [Deferral boundary])
-    composite: bool  # not a collective, and has a CompositeImplicitAutograd kernel
-
-
-# NB: keyed by ``func._op`` (hashed in C; OpOverload's own ``__hash__`` is a
-# Python frame, as in eagertp.table): asked for every op while work is pending.
-OP_FACTS: dict[Callable[..., Any], OpFacts] = {}
-
-
-def op_facts(func: torch._ops.OpOverload) -> OpFacts:
-    facts = OP_FACTS.get(func._op)
-    if facts is None:
-        facts = OP_FACTS[func._op] = _op_facts(func)
-    return facts
-
-
-def _op_facts(func: torch._ops.OpOverload) -> OpFacts:
-    schema = func._schema
-    if func.namespace == "c10d" and schema.name.endswith("_") and schema.name != "c10d::monitored_barrier_":
-        # c10d's in-place collectives write their first argument; their schemas
-        # do not say so (``c10d::allreduce_(Tensor[] tensors, ...)``).
-        written: tuple[tuple[int, str], ...] = ((0, schema.arguments[0].name),)
-    else:
-        written = tuple(
-            (i, arg.name)
-            for i, arg in enumerate(schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write
-        )
-    return OpFacts(
-        written,
-        func in _PENDING_PASSTHROUGH or (func.is_view and not schema.is_mutable),
-        func.namespace not in COLLECTIVE_NAMESPACES
-        and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"),
-    )
-
-
-def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors ``func`` writes: in place, ``out=``, the lists of
-    ``_foreach_*_``, the outputs of c10d's collectives (lists of lists too)."""
-    facts = OP_FACTS.get(func._op) or op_facts(func)
-    if not facts.written:  # NB: most ops, on the path of every op while work is pending
-        return []
-    found: list[torch.Tensor] = []
-    pending = [args[i] if i < len(args) else kwargs.get(name) for i, name in facts.written]
-    while pending:
-        a = pending.pop()
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            pending.extend(a)
-    return found
-
-
-def same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
-    """True if ``tensors`` are exactly the views ``expected``: the same storage,
-    offsets, shapes and strides."""
-    return len(tensors) == len(expected) and all(
-        t.shape == e.shape
-        and t.stride() == e.stride()
-        and t.storage_offset() == e.storage_offset()
-        and storage_key(t) == storage_key(e)
-        for t, e in zip(tensors, expected)
-    )
-
-
-def _matmul_out_dtype(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scaled: Scaled | None
-) -> tuple[torch.dtype | None, str]:
-    """The output dtype of the matmul, or None and why if these operands do not
-    defer (plain eager rejects them, or, for FP8, its meta kernel does)."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or b.device != a.device:
-        return None, f"{tensor_str(a)} @ {tensor_str(b)}"
-    if scaled is not None:
-        # FP8 rules (dtypes, layouts, scale shapes, alignment) are many: ask the
-        # meta kernel, which applies CUDA's (stricter than CPU's).
-        try:
-            meta = torch._scaled_mm(
-                *(t.to("meta") for t in (a, b, scaled.scale_a, scaled.scale_b)),
-                bias=None if bias is None else bias.to("meta"),
-                scale_result=None if scaled.scale_result is None else scaled.scale_result.to("meta"),
-                out_dtype=scaled.out_dtype,
-                use_fast_accum=scaled.use_fast_accum,
-            )
-        except (RuntimeError, ValueError, NotImplementedError) as e:
-            return None, f"_scaled_mm's meta kernel: {str(e).splitlines()[0]}"
-        return meta.dtype, ""
-    if b.dtype != a.dtype or (bias is not None and (bias.dtype != a.dtype or bias.device != a.device)):
-        return None, "mixed dtypes or devices"
-    if bias is None:
-        return a.dtype, ""
-    out_shape = (a.shape[0], b.shape[1])
-    try:
-        if torch.broadcast_shapes(bias.shape, out_shape) == out_shape:
-            return a.dtype, ""
-    except RuntimeError:
-        pass
-    return None, f"bias {tensor_str(bias)} does not broadcast to {list(out_shape)}"
-
-
-def check_ranks_agree(signature: str, group: dist.ProcessGroup) -> None:
-    """verify=True: every rank issues the same collective, or all raise the same
-    clear error (instead of mismatched messages, which gloo answers by aborting
-    the process and NCCL by hanging or corrupting)."""
-    signatures: list[str | None] = [None] * group.size()
-    dist.all_gather_object(signatures, signature, group=group)
-    if any(s != signature for s in signatures):
-        per_rank = "; ".join(f"rank {r}: {s}" for r, s in enumerate(signatures))
-        raise VerificationError(
-            f"eagertp verify: ranks of {group_str(group)} issue different collectives at the "
-            f"same point ({per_rank}). Every rank must issue the same collectives with the "
-            f"same shapes in the same order."
-        )
-
-
-def check_equal(
-    what: str, got: torch.Tensor, want: torch.Tensor, group: dist.ProcessGroup, *, exact: bool
-) -> None:
-    """verify=True: ``got`` equals plain eager's ``want``, or a clear error names ``what``."""
-    try:
-        if exact:
-            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-        else:
-            torch.testing.assert_close(got, want, equal_nan=True)
-    except AssertionError:
-        diff = (got.double() - want.double()).abs()
-        rel = diff / want.double().abs().clamp_min(torch.finfo(torch.float64).tiny)
-        raise VerificationError(
-            f"eagertp verify: {what} differs from plain eager on rank {group.rank()}: "
-            f"max abs diff {diff.max().item():.3g}, max rel diff {rel.max().item():.3g}. "
-            f"Run with backend='reference' to take eagertp's pipeline out of the picture, "
-            f"and report this with the shapes above."
-        ) from None

@@ -9,7 +9,8 @@ import math
 import torch
 
 from eagertp.deferred import Epilogue, Operand, PendingGather, PendingMatmul, Product, Scaled, operand_str
-from eagertp.engine import Engine, same_views
+from eagertp.engine import Engine
+from eagertp.operands import same_views
 from eagertp.table import register
 
 aten = torch.ops.aten

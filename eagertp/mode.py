@@ -22,7 +22,8 @@ import eagertp.collectives.torch_symm_mem  # noqa: F401
 import eagertp.matmuls  # noqa: F401
 from eagertp._compat import funcol_is_view_op
 from eagertp.deferred import tensor_leaves
-from eagertp.engine import OP_FACTS, Engine, op_facts, written_tensors
+from eagertp.engine import Engine
+from eagertp.op_facts import OP_FACTS, op_facts, written_tensors
 from eagertp.table import HANDLERS
 
 # Note [Subclasses desugar first]

@@ -197,7 +197,7 @@ class AllGatherMatmulPlan:
         """Where ``mm``'s consumer reads its ``scale_a`` rows, if from a scale
         gather in flight: rank src's chunk of it, as soon as that has landed
         (a view gathered along dim > 0 is filled only when the scale gather
-        completes). Its rows follow the data shard's (``Engine._match_scale_gather``)."""
+        completes). Its rows follow the data shard's (``eagertp.operands``)."""
         scale = mm.scale_gather
         if scale is None or not any(scale is s for s in self.scales):
             return None

@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from eagertp._format import group_str
-from eagertp.engine import Engine, VerificationError
+from eagertp.engine import Engine
+from eagertp.verify import VerificationError
 from eagertp.mode import EagerTPMode
 
 __all__ = ["EagerMicroPipeline", "VerificationError"]

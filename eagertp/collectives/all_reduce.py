@@ -18,9 +18,10 @@ from eagertp._format import tensor_str
 from eagertp.backends.base import REDUCE_OPS
 from eagertp.collectives.reduce_scatter import why_not_produce
 from eagertp.deferred import PendingGather, Product, ScatterView
-from eagertp.engine import Engine, check_equal, check_ranks_agree, profiler_range
+from eagertp.engine import Engine, profiler_range
 from eagertp.patterns import ReduceScatterPlan
 from eagertp.table import register
+from eagertp.verify import check_equal, check_ranks_agree
 from eagertp.trace import Text
 
 _c10d_functional = torch.ops._c10d_functional
