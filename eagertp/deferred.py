@@ -245,17 +245,14 @@ class GatheredView:
     # the shard's size along it: the rows the pieces' ``rows`` count.
     piece_dim: int = dataclasses.field(init=False, repr=False)
     shard_rows: int = dataclasses.field(init=False, repr=False)
+    block: int = dataclasses.field(init=False, repr=False)  # size of one rank's block along ``dim``
 
     def __post_init__(self) -> None:
         shard_shape = list(self.tensor.shape)
         shard_shape[self.dim] //= self.world
         self.piece_dim = piece_dim(shard_shape)
         self.shard_rows = shard_shape[self.piece_dim]
-
-    @property
-    def block(self) -> int:
-        """Size of one rank's block along ``dim``."""
-        return self.tensor.shape[self.dim] // self.world
+        self.block = shard_shape[self.dim]
 
     def observed(self) -> bool:
         """False if nothing but this view can reach its placeholder (the
@@ -1182,5 +1179,7 @@ def tensor_leaves(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]
         if isinstance(a, torch.Tensor):
             found.append(a)
         elif isinstance(a, (list, tuple)):
-            found.extend(t for t in a if isinstance(t, torch.Tensor))
+            for t in a:  # NB: a loop, not a generator's frame
+                if isinstance(t, torch.Tensor):
+                    found.append(t)
     return found

@@ -285,14 +285,14 @@ def with_slots(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tenso
             return _Slot(len(tensors) - 1)
         return a
 
-    return tuple(slot(a) for a in args), {k: slot(v) for k, v in kwargs.items()}, tensors
+    return tuple([slot(a) for a in args]), {k: slot(v) for k, v in kwargs.items()} if kwargs else {}, tensors
 
 
 def fill_slots(args: tuple, kwargs: dict, values: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
     def fill(a: Any) -> Any:
         return values[a] if type(a) is _Slot else a
 
-    return tuple(fill(a) for a in args), {k: fill(v) for k, v in kwargs.items()}
+    return tuple([fill(a) for a in args]), {k: fill(v) for k, v in kwargs.items()} if kwargs else {}
 
 
 def as_results(out: Any) -> list[torch.Tensor | None]:
@@ -525,7 +525,7 @@ _META_CACHE_SIZE = 4096
 def _meta_results(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor | None]:
     """The results of ``func(*args, **kwargs)`` as meta tensors (shapes,
     strides, dtypes), from the meta kernel, cached by the arguments' metadata."""
-    key = (func, tuple(_key(a) for a in args), tuple((k, _key(v)) for k, v in kwargs.items()))
+    key = (func, tuple([_key(a) for a in args]), tuple([(k, _key(v)) for k, v in kwargs.items()]) if kwargs else ())
     found = _META_CACHE.get(key)
     if found is not None:
         _META_CACHE.move_to_end(key)
@@ -546,7 +546,7 @@ def _key(a: Any) -> Any:
         # by its value's kind only: the dtype and device say all the kernel reads.
         return (tuple(a.shape), a.stride(), a.dtype, a.device.type)
     if isinstance(a, (list, tuple)):
-        return tuple(_key(x) for x in a)
+        return tuple([_key(x) for x in a])
     return a
 
 
