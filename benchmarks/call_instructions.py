@@ -3,6 +3,7 @@ adds to each fused form, exactly, where times on these shared machines move by
 more than the change being measured.
 
     python benchmarks/call_instructions.py [--calls 100] [--forms matmul_reduce_scatter ...]
+    python benchmarks/call_instructions.py --calls 30 --forms train_step train_step_no_sp
 
 Needs valgrind (``apt-get install valgrind``). Two gloo ranks, 64 x 64 float32
 (small, so that the count is the calls' Python and dispatch, not their FLOPs),
@@ -79,7 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--calls", type=int, default=100, help="counted calls per form (instructions are per call)")
-    parser.add_argument("--forms", nargs="+", choices=list(ENTRY_POINTS), default=list(ENTRY_POINTS))
+    parser.add_argument(
+        "--forms", nargs="+", choices=list(ENTRY_POINTS), default=[f for f in ENTRY_POINTS if f not in STEPS],
+        help="the calls by default; the training steps (about 1,000 calls' worth each) when named",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     parser.add_argument(
         "--rank-program", nargs=4, metavar=("MODE", "RANK", "PORT", "WORLD"), help=argparse.SUPPRESS

@@ -114,8 +114,8 @@ def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
     port = str(_harness._free_port())
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(BENCHMARKS / "call_instructions.py"), "--calls", "2", "--rank-program", "eagertp",
-             str(rank), port, "2"],
+            [sys.executable, str(BENCHMARKS / "call_instructions.py"), "--calls", "2", "--forms",
+             *call_instructions.ENTRY_POINTS, "--rank-program", "eagertp", str(rank), port, "2"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for rank in range(2)
@@ -127,6 +127,12 @@ def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
     fused = ast.literal_eval(stats.group(1))
     calls = 2 + call_instructions._WARMUP
     assert fused == {"matmul_reduce_scatter": calls, "matmul_all_reduce": calls, "all_gather_matmul": calls}, fused
+    # A training step of the demo's model, each its own block: its collectives fuse (the last step's stats).
+    steps = dict(re.findall(r"^(train_step\w*) stats (\{.*\})$", outs[0][0], re.MULTILINE))
+    assert set(steps) == set(call_instructions.STEPS), outs
+    with_sp, without_sp = ast.literal_eval(steps["train_step"]), ast.literal_eval(steps["train_step_no_sp"])
+    assert with_sp["all_gather_matmul"] == with_sp["matmul_reduce_scatter"] == 8, with_sp  # 2 blocks x 4 each
+    assert without_sp["matmul_all_reduce"] == 12, without_sp  # 2 blocks x 6
     annotated = (
         "  198,059,203 (30.94%)  /tmp/Python-3.11.7/./Modules/itertoolsmodule.c:starmap_next [/lib/libpython3.11.so]\n"
         "  147,601,705 (23.05%)  /tmp/Python-3.11.7/./Modules/_operator.c:_operator_call [/lib/libpython3.11.so]\n"
