@@ -167,9 +167,7 @@ class Engine:
             self.stats["unseen_operations"] += n
 
     def issuing_work(self) -> _IssuingWork:
-        """Ops issued inside pass through the mode, and fill placeholders below
-        autograd: tensors autograd saved for backward are these same storages,
-        and their version counters must not move."""
+        """``with engine.issuing_work():`` Note [Issuing work]."""
         return _IssuingWork(self)
 
     # -- completing pending work -------------------------------------------
@@ -549,7 +547,8 @@ class Engine:
         if gather.steps or gather.wholes:
             self.stats["rowwise_ops"] += len(gather.steps) + len(gather.wholes)
         self._account_gather(gather, plan, reason)
-        self._complete_scales(plan.scales, reason)
+        if plan.scales:
+            self._complete_scales(plan.scales, reason)
         if self.verify:  # NB: after the scales: plain eager's matmuls read them whole
             for what, got, want, exact in plan.checks():
                 check_equal(what, got, want, plan.group, exact=exact)
@@ -972,11 +971,20 @@ class Engine:
         return self.trace.new_collective(kind, src=src_meta, dst=dst_meta, group=group)
 
 
+# Note [Issuing work]
+# ~~~~~~~~~~~~~~~~~~~
+# ``with engine.issuing_work():`` ops issued inside pass through the mode, and
+# fill placeholders below autograd: tensors autograd saved for backward are
+# these same storages, and their version counters must not move. The
+# outermost one also reads the watched groups' operation counts before and
+# after (Note [Collectives the mode did not see] in eagertp.unseen).
+
+
 class _IssuingWork:
-    """``Engine.issuing_work()``. NB: a class, not a generator under
-    ``contextlib.contextmanager``: entered twice or more per fused call, where
-    the generator's machinery cost about 1.5 us each (benchmarks/NOTES.md,
-    2026-12-02 at 5ce2715)."""
+    """``Engine.issuing_work()``: Note [Issuing work]. NB: a class, not a
+    generator under ``contextlib.contextmanager``: entered twice or more per
+    fused call, where the generator's machinery cost about 1.5 us each
+    (benchmarks/NOTES.md, 2026-12-02 at 5ce2715)."""
 
     __slots__ = ("engine", "was_issuing", "below_autograd")
 
