@@ -422,14 +422,9 @@ class Engine:
         owner = self.store.owner(t)
         return None if owner is None or isinstance(owner, PendingGather) else owner.tid
 
-    def drop_unobserved(self) -> None:
-        """Take out the absorbed products that nothing can read any more: a flush
-        would skip them, and until then they hold their placeholders and inputs."""
-        for product in self.store.standalone(absorbed=True):
-            if product.unobserved():
-                self._drop(product)
-
     def _drop(self, product: Product) -> None:
+        """Take out an absorbed product that nothing can read any more: a flush
+        would skip it, and until then it holds its placeholders and inputs."""
         self.store.remove(product)
         self.trace.event("skip ${}: nothing can read it", product.tid)
 
