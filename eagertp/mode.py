@@ -130,7 +130,6 @@ def _is_view(func: torch._ops.OpOverload) -> bool:
     return found
 
 
-
 def _unwrap_pending_async(engine: Engine, func, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """``args`` and ``kwargs`` with each AsyncCollectiveTensor replaced by the
     placeholder it wraps (marked waited, as its own ``__torch_dispatch__``

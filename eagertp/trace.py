@@ -178,7 +178,7 @@ class Trace:
         # Communication on managed groups the mode did not see (Note
         # [Collectives the mode did not see] in eagertp.unseen), one line each.
         self.unseen: list[str] = []
-        self._groups: dict[dist.ProcessGroup, str] = {}  # group -> group_str(group)
+        self._groups: dict[str, str] = {}  # group name -> group_str(group)
 
     def event(self, render: str | Callable[..., str], *args: Any) -> None:
         """Record ``render(*args)`` (or ``render.format(*args)`` for a template);
@@ -190,9 +190,11 @@ class Trace:
     def new_collective(
         self, kind: str, *, src: Meta, dst: Meta, group: dist.ProcessGroup
     ) -> CollectiveRecord:
-        group_text = self._groups.get(group)
-        if group_text is None:  # NB: rendered once per group and block
-            group_text = self._groups[group] = group_str(group)
+        # NB: rendered once per group and block; keyed by name, so that the
+        # trace holds no group (a destroyed group's threads end with it).
+        group_text = self._groups.get(group.group_name)
+        if group_text is None:
+            group_text = self._groups[group.group_name] = group_str(group)
         record = CollectiveRecord(
             kind, self._next_index[kind], src=src, dst=dst, group=group_text
         )

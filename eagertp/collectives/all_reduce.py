@@ -21,8 +21,8 @@ from eagertp.deferred import PendingGather, Product, ScatterView
 from eagertp.engine import Engine, profiler_range
 from eagertp.patterns import ReduceScatterPlan
 from eagertp.table import register
-from eagertp.verify import check_equal, check_ranks_agree
 from eagertp.trace import Text
+from eagertp.verify import check_equal, check_ranks_agree
 
 _c10d_functional = torch.ops._c10d_functional
 
