@@ -33,7 +33,10 @@ with the same ``--forms`` and ``--calls``; compare those only: another order
 or number of calls moves them by up to 20% (Python's garbage collector and
 allocator run at other calls).
 Prints rank 0's instructions per call in each mode, eagertp's own (its
-difference from the empty mode) and eagertp's ratios to both empty modes. Takes a few minutes: callgrind runs Python about 50x slower.
+difference from the empty mode) and eagertp's ratios to both empty modes.
+``--frames`` runs no valgrind and counts eagertp's own Python frames in one
+call of each form instead: a proxy (about 2-3k instructions a frame) that
+takes seconds, for a loop of small changes between callgrind runs. Takes a few minutes: callgrind runs Python about 50x slower.
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the calls by default; the training steps (about 1,000 calls' worth each) when named",
     )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    parser.add_argument(
+        "--frames", action="store_true",
+        help="no valgrind: count eagertp's own Python frames in one call of each form (seconds, not minutes; "
+        "a proxy for instructions, about 2-3k a frame)",
+    )
     parser.add_argument(
         "--rank-program", nargs=4, metavar=("MODE", "RANK", "PORT", "WORLD"), help=argparse.SUPPRESS
     )  # internal: one rank's calls, run under callgrind by the parent
@@ -162,25 +170,57 @@ def rank_program(args: argparse.Namespace) -> None:
             fn()
         return 0
 
+    frames = {}
+
+    def count(form: str) -> None:
+        run(forms[form], _WARMUP)
+        dist.barrier()
+        ENTRY_POINTS[form][1](run, forms[form], args.calls)
+        if args.frames:  # one more call, rank 0's traced (every rank makes it: its collectives)
+            if rank == "0":
+                frames[form] = _frames_of(forms[form])
+            else:
+                forms[form]()
+
     calls = [form for form in args.forms if form not in STEPS]
     with modes.get(mode, lambda: pipe)():
         for form in calls:
-            run(forms[form], _WARMUP)
-            dist.barrier()
-            ENTRY_POINTS[form][1](run, forms[form], args.calls)
+            count(form)
         fused = {k: pipe.stats[k] for k in ("matmul_reduce_scatter", "matmul_all_reduce", "all_gather_matmul")}
     steps = {}
     for form in args.forms:
         if form in STEPS:
-            run(forms[form], _WARMUP)
-            dist.barrier()
-            ENTRY_POINTS[form][1](run, forms[form], args.calls)
+            count(form)
             steps[form] = dict(pipe.stats)  # the last step's
     if mode == "eagertp":  # what was counted is what the tests prove: the fused paths ran
         print(f"stats {fused}")
         for form, stats in steps.items():
             print(f"{form} stats {stats}")
+    if args.frames and rank == "0":
+        for form, n in frames.items():
+            print(f"frames {form} {n}")
     dist.destroy_process_group()
+
+
+def _frames_of(fn) -> int:
+    """The Python frames of eagertp's own code that one call of ``fn`` runs
+    (rank 0's thread; generator resumptions count as frames, as they cost one)."""
+    import eagertp
+
+    package = os.path.dirname(eagertp.__file__)
+    n = 0
+
+    def profile(frame, event, arg) -> None:
+        nonlocal n
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            n += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
 
 
 def _train_step(block, model, x, target, F) -> None:
@@ -211,6 +251,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.rank_program:
         rank_program(args)
+        return
+    if args.frames:
+        print(_frames_table(args))
         return
     if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
         raise SystemExit("call_instructions.py needs valgrind's callgrind: apt-get install valgrind")
@@ -249,6 +292,22 @@ def main(argv=None) -> None:
                                 ("ratio_desugaring", "/ desugaring", ".2f")]))
     print(f"eagertp {stats}")
     _harness.write_json(args.json, {"calls": args.calls, "world_size": world, "rows": rows})
+
+
+def _frames_table(args: argparse.Namespace) -> str:
+    """``--frames``: both ranks in eagertp's mode, no valgrind; rank 0's
+    frames per form."""
+    port, world = str(_harness._free_port()), 2
+    cmd = [sys.executable, __file__, "--calls", "1", "--frames", "--forms", *args.forms, "--rank-program", "eagertp"]
+    procs = [subprocess.Popen([*cmd, str(rank), port, str(world)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in range(world)]
+    outs = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (stdout, stderr) in zip(procs, outs):
+        if proc.returncode != 0:
+            raise SystemExit(f"a rank failed ({proc.returncode}):\n{stdout}\n{stderr[-4000:]}")
+    rows = [{"form": form, "frames": int(n)} for form, n in re.findall(r"^frames (\w+) (\d+)$", outs[0][0], re.MULTILINE)]
+    return (f"call_instructions --frames: {world} ranks, gloo, 64 x 64 float32, eagertp's own Python frames in "
+            f"one call (rank 0)\n" + _harness.table(rows, [("form", "form", "s"), ("frames", "frames", "d")]))
 
 
 if __name__ == "__main__":

@@ -142,6 +142,16 @@ def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
     }
 
 
+def test_call_instructions_counts_frames_without_valgrind():
+    """``--frames``: eagertp's own Python frames in one call of each form, a
+    proxy that needs no valgrind; a fused call runs more of them than a
+    deferred matmul does."""
+    out = _run("call_instructions.py", "--frames", "--forms", "matmul_reduce_scatter", "deferred_matmul")
+    frames = {form: int(n) for form, n in re.findall(r"^ *(\w+) +(\d+)$", out, re.MULTILINE)}
+    assert set(frames) == {"matmul_reduce_scatter", "deferred_matmul"}, out
+    assert 0 < frames["deferred_matmul"] < frames["matmul_reduce_scatter"], out
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")), reason="shaping a link needs root and iproute2"
 )
