@@ -152,7 +152,14 @@ def rank_program(args: argparse.Namespace) -> None:
     }
 
     pipe = EagerMicroPipeline(min_fuse_bytes=0)
-    mesh = init_device_mesh("cpu", (int(world),))
+    block = modes.get(mode, lambda: pipe)
+
+    def train_step(model, x: torch.Tensor, target: torch.Tensor) -> None:
+        """One training step in its own block."""
+        with block():
+            F.mse_loss(model(x), target).backward()
+
+    mesh = init_device_mesh("cpu", (int(world),)) if any(form in STEPS for form in args.forms) else None
     for name, sequence_parallel in (("train_step", True), ("train_step_no_sp", False)):
         if name in args.forms:
             step_args = argparse.Namespace(
@@ -162,8 +169,7 @@ def rank_program(args: argparse.Namespace) -> None:
             x, target = (
                 demo.local_input(torch.randn(2, 16, 64), sequence_parallel, int(rank), int(world)) for _ in range(2)
             )
-            block = modes.get(mode, lambda: pipe)
-            forms[name] = functools.partial(_train_step, block, model, x, target, F)
+            forms[name] = functools.partial(train_step, model, x, target)
 
     def run(fn, calls: int) -> int:
         for _ in range(calls):
@@ -183,7 +189,7 @@ def rank_program(args: argparse.Namespace) -> None:
                 forms[form]()
 
     calls = [form for form in args.forms if form not in STEPS]
-    with modes.get(mode, lambda: pipe)():
+    with block():
         for form in calls:
             count(form)
         fused = {k: pipe.stats[k] for k in ("matmul_reduce_scatter", "matmul_all_reduce", "all_gather_matmul")}
@@ -221,12 +227,6 @@ def _frames_of(fn) -> int:
     finally:
         sys.setprofile(None)
     return n
-
-
-def _train_step(block, model, x, target, F) -> None:
-    """One training step in its own block (``block()``: the mode to enter)."""
-    with block():
-        F.mse_loss(model(x), target).backward()
 
 
 def _count(callgrind_out: str, calls: int) -> dict[str, float]:

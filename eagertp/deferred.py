@@ -995,13 +995,11 @@ class PendingStore:
         """A standalone matmul or sum (again, after a fused reduce-scatter took it out)."""
         # NB: on the hot path (every deferred matmul): plain loops, no generators.
         self.items.append(product)
-        owner, inputs = self._owner, self._inputs
+        owner = self._owner
         owner[product.out.untyped_storage()._cdata] = product
         for sv in product.scatter_views:
             owner[storage_key(sv.tensor)] = product
-        for t in product.inputs():  # NB: _read, one frame shorter
-            key = t.untyped_storage()._cdata
-            inputs[key] = inputs.get(key, 0) + 1
+        self._read(product.inputs())
 
     def add_epilogue(self, product: PendingMatmul, epilogue: Epilogue) -> None:
         """An in-place op on ``product``'s output, kept with it (Note [Epilogues])."""
@@ -1080,7 +1078,7 @@ class PendingStore:
         return [p for p in self.items if not isinstance(p, PendingGather) and p.absorbed == absorbed]
 
     def owner(self, t: torch.Tensor) -> Pending | None:
-        return self._owner.get(storage_key(t))
+        return self._owner.get(t.untyped_storage()._cdata)  # NB: storage_key, spelled out
 
     def sending_from(self, t: torch.Tensor) -> list[PendingGather]:
         """The gathers in flight that may still send from ``t``'s storage."""

@@ -70,8 +70,6 @@ log = logging.getLogger(__name__)
 # to float64 of a matmul small by this bound is issued unfused: still right.)
 _WIDEST_CAST = 4
 
-_new_tuple = tuple.__new__
-
 
 class Engine:
     """Pending work of one ``EagerMicroPipeline`` and the operations on it."""
@@ -391,9 +389,7 @@ class Engine:
         """Compute the standalone products recorded up to trace id ``mark`` that no
         collective took (Note [Products past their collective]): plain eager
         would have computed them, and freed their inputs, long ago."""
-        past = [
-            p for p in self.store.items if p.tid <= mark and not isinstance(p, PendingGather) and not p.absorbed
-        ]
+        past = [p for p in self.store.standalone(absorbed=False) if p.tid <= mark]
         if past:
             self._complete_past(func, past)
 
@@ -405,9 +401,9 @@ class Engine:
     def complete_orphaned_weight_gradients(self, func: Any) -> None:
         """Compute the pending weight gradients that read a storage nothing but
         pending work can reach (Note [Products past their collective])."""
-        candidates = [
-            p for p in self.store.items if not isinstance(p, PendingGather) and not p.absorbed and is_weight_gradient(p)
-        ] if self.store.items else None
+        if not self.store.items:
+            return
+        candidates = [p for p in self.store.standalone(absorbed=False) if is_weight_gradient(p)]
         if not candidates:
             return
         orphans = orphaned_storages(self.store.items)
@@ -670,7 +666,7 @@ class Engine:
         whole output ``t`` is, if it is one that ``unbind_consumer`` can unbind."""
         if not self.store.items:
             return None
-        gather = self.store._owner.get(t.untyped_storage()._cdata)  # NB: store.owner, one frame shorter
+        gather = self.store.owner(t)
         if not isinstance(gather, PendingGather):
             return None
         mm = gather.consumer_writing(t)
@@ -961,9 +957,7 @@ class Engine:
         unless the collective is issued as written (``marks_past=False``)."""
         if marks_past:
             self.before_collective = self.store.last_tid
-        # NB: Meta.of(src), Meta.of(dst), two frames shorter.
-        src_meta, dst_meta = _new_tuple(Meta, (src.dtype, src.shape)), _new_tuple(Meta, (dst.dtype, dst.shape))
-        return self.trace.new_collective(kind, src=src_meta, dst=dst_meta, group=group)
+        return self.trace.new_collective(kind, src=Meta.of(src), dst=Meta.of(dst), group=group)
 
 
 # Note [Issuing work]
@@ -989,9 +983,7 @@ class _IssuingWork:
     def __enter__(self) -> None:
         engine = self.engine
         if not engine.issuing and engine.unseen.known:  # Note [Collectives the mode did not see]
-            found = engine.unseen.check_all()  # NB: Engine.check_unseen, one frame shorter
-            if found:
-                engine.record_unseen(found)
+            engine.check_unseen()
         self.below_autograd = torch._C._AutoDispatchBelowADInplaceOrView()
         self.below_autograd.__enter__()
         self.was_issuing, engine.issuing = engine.issuing, True

@@ -20,7 +20,6 @@ import eagertp.collectives.other  # noqa: F401
 import eagertp.collectives.reduce_scatter  # noqa: F401
 import eagertp.collectives.torch_symm_mem  # noqa: F401
 import eagertp.matmuls  # noqa: F401
-from eagertp._compat import funcol_is_view_op
 from eagertp.deferred import tensor_leaves
 from eagertp.engine import Engine
 from eagertp.op_facts import OP_FACTS, op_facts, written_tensors
@@ -119,22 +118,13 @@ class EagerTPMode(TorchDispatchMode):
 # path, which rewraps them). A wrapper of anything else (a collective issued as
 # written, on a group we do not manage) takes torch's path and really waits.
 _ASYNC_ONLY = (AsyncCollectiveTensor,)
-# NB: keyed by ``func._op`` (C's hash; eagertp.table says why).
-_VIEWS: dict[Any, bool] = {}
-
-
-def _is_view(func: torch._ops.OpOverload) -> bool:
-    found = _VIEWS.get(func._op)
-    if found is None:
-        found = _VIEWS[func._op] = funcol_is_view_op(func)
-    return found
 
 
 def _unwrap_pending_async(engine: Engine, func, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """``args`` and ``kwargs`` with each AsyncCollectiveTensor replaced by the
     placeholder it wraps (marked waited, as its own ``__torch_dispatch__``
     would), or None where the wrapper's own path must run."""
-    if _is_view(func):
+    if (OP_FACTS.get(func._op) or op_facts(func)).funcol_view:
         return None
     # NB: loops, not comprehensions: every op on funcol's result passes here.
     owner = engine.store.owner

@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from eagertp._compat import funcol_is_view_op
+
 # Op namespaces whose ops communicate.
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "symm_mem"})
 
@@ -30,6 +32,7 @@ class OpFacts(NamedTuple):
     written: tuple[tuple[int, str], ...]  # (position, name) of each argument it writes
     metadata_only: bool  # reads no data of a pending tensor (Note [Deferral boundary])
     composite: bool  # not a collective, and has a CompositeImplicitAutograd kernel
+    funcol_view: bool  # funcol's AsyncCollectiveTensor rewraps its result (Note [Pending async tensors])
 
 
 # NB: keyed by ``func._op`` (hashed in C; OpOverload's own ``__hash__`` is a
@@ -61,6 +64,7 @@ def _op_facts(func: torch._ops.OpOverload) -> OpFacts:
         func in _PENDING_PASSTHROUGH or (func.is_view and not schema.is_mutable),
         func.namespace not in COLLECTIVE_NAMESPACES
         and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"),
+        funcol_is_view_op(func),
     )
 
 
