@@ -175,16 +175,18 @@ class Engine:
         reads (or all of it, if it writes an input of pending work)."""
         if self.store.items:
             facts = OP_FACTS.get(func._op) or op_facts(func)
+            if facts.passes:  # NB: a view of pending work stays pending (no row-wise op is one)
+                return func._op(*args, **kwargs)
             tensors = tensor_leaves(args, kwargs)
             first = self.store.touched(tensors)
             if first is not None:
                 if facts.composite:
                     return self.decompose(func, args, kwargs)
-                if facts.metadata_only:  # NB: a view of pending work stays pending (no row-wise op is one)
+                if facts.metadata_only:
                     return func._op(*args, **kwargs)
                 why = None
                 if func._op in rowwise.ANY_RULE:  # NB: a row-wise op reads gathered rows, so pending ones
-                    result, why = rowwise.defer(self, func, args, kwargs)
+                    result, why = rowwise.defer(self, func, args, kwargs, tensors)
                     if why is None and result is not None:
                         return result
                     first = None  # NB: asked again: the attempt may have completed work
@@ -358,8 +360,11 @@ class Engine:
         owners = self.store.owners(tensors)
         if owners:
             if why is None:
-                first = self.store.touched(tensors) if first is None else first
-                reason = Reason("{} read ${}", func, self.store.tid_of(first))
+                if len(owners) == 1 and not isinstance(owners[0], PendingGather):
+                    tid = owners[0].tid  # NB: a product's placeholders have its id: the read of one, no lookup
+                else:
+                    tid = self.store.tid_of(self.store.touched(tensors) if first is None else first)
+                reason = Reason("{} read ${}", func, tid)
             else:
                 reason = Reason("{} {}", func, why)
             self.trace.event("wait: {}", reason)
@@ -385,11 +390,13 @@ class Engine:
             self._complete_past(func, past)
         self.complete_orphaned_weight_gradients(func)
 
-    def complete_past(self, func: Any, mark: int) -> None:
-        """Compute the standalone products recorded up to trace id ``mark`` that no
-        collective took (Note [Products past their collective]): plain eager
-        would have computed them, and freed their inputs, long ago."""
-        past = [p for p in self.store.standalone(absorbed=False) if p.tid <= mark]
+    def complete_before(self, func: Any, product: Product) -> None:
+        """Compute the standalone products recorded before the pending ``product``
+        that no collective took (Note [Products past their collective]): plain
+        eager would have computed them, and freed their inputs, long ago."""
+        if len(self.store.items) == 1:  # NB: the product alone: nothing before it
+            return
+        past = [p for p in self.store.standalone(absorbed=False) if p.tid < product.tid]
         if past:
             self._complete_past(func, past)
 
@@ -685,7 +692,7 @@ class Engine:
         """Start ``gather`` with its shard made by ``product`` as it is sent
         (Note [Matmul + all-gather] in eagertp.collectives.all_gather), and
         account for it as fused."""
-        self.complete_past("all_gather_into_tensor", product.tid - 1)
+        self.complete_before("all_gather_into_tensor", product)
         # NB: made straight into this rank's chunk of the result and sent from
         # there: no copy. The product's own output stays pending, computed only
         # if something reads it (as after a fused reduce-scatter).

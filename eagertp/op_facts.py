@@ -33,6 +33,9 @@ class OpFacts(NamedTuple):
     metadata_only: bool  # reads no data of a pending tensor (Note [Deferral boundary])
     composite: bool  # not a collective, and has a CompositeImplicitAutograd kernel
     funcol_view: bool  # funcol's AsyncCollectiveTensor rewraps its result (Note [Pending async tensors])
+    # Runs as it is, pending work or not: reads no data, writes nothing and
+    # does not decompose (the views a step issues by the hundred).
+    passes: bool
 
 
 # NB: keyed by ``func._op`` (hashed in C; OpOverload's own ``__hash__`` is a
@@ -59,12 +62,12 @@ def _op_facts(func: torch._ops.OpOverload) -> OpFacts:
             for i, arg in enumerate(schema.arguments)
             if arg.alias_info is not None and arg.alias_info.is_write
         )
+    metadata_only = func in _PENDING_PASSTHROUGH or (func.is_view and not schema.is_mutable)
+    composite = func.namespace not in COLLECTIVE_NAMESPACES and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeImplicitAutograd"
+    )
     return OpFacts(
-        written,
-        func in _PENDING_PASSTHROUGH or (func.is_view and not schema.is_mutable),
-        func.namespace not in COLLECTIVE_NAMESPACES
-        and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"),
-        funcol_is_view_op(func),
+        written, metadata_only, composite, funcol_is_view_op(func), metadata_only and not composite and not written
     )
 
 

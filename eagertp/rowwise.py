@@ -93,7 +93,7 @@ import collections
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -270,29 +270,47 @@ WHOLE_RULES = {op._op: rule for op, rule in WHOLE_TABLE.items()}
 ANY_RULE = frozenset(RULES) | frozenset(WHOLE_RULES) | {aten.copy_.default._op}
 
 
-class _Slot(int):
-    """Where the i-th operand goes in an op's arguments."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArgTemplate:
+    """An op's arguments with each tensor (top level only: the table's ops
+    take no lists of tensors) taken out, to be called on other tensors in
+    their places: a step's op, once per piece."""
 
+    args: tuple
+    kwargs: dict
+    arg_slots: tuple[tuple[int, int], ...]  # (position in args, index of its tensor)
+    kwarg_slots: tuple[tuple[str, int], ...]  # (keyword, index of its tensor)
 
-def with_slots(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
-    """``args`` and ``kwargs`` with each tensor (top level only: the table's
-    ops take no lists of tensors) replaced by its slot, and the tensors."""
-    tensors: list[torch.Tensor] = []
+    @staticmethod
+    def of(args: tuple, kwargs: dict) -> tuple[ArgTemplate, list[torch.Tensor]]:
+        """The template of ``args`` and ``kwargs``, and their tensors in order."""
+        tensors: list[torch.Tensor] = []
+        held, arg_slots = list(args), []
+        for pos, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                arg_slots.append((pos, len(tensors)))
+                tensors.append(a)
+                held[pos] = None
+        held_kwargs, kwarg_slots = dict(kwargs), []
+        for name, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                kwarg_slots.append((name, len(tensors)))
+                tensors.append(v)
+                held_kwargs[name] = None
+        return ArgTemplate(tuple(held), held_kwargs, tuple(arg_slots), tuple(kwarg_slots)), tensors
 
-    def slot(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            tensors.append(a)
-            return _Slot(len(tensors) - 1)
-        return a
-
-    return tuple([slot(a) for a in args]), {k: slot(v) for k, v in kwargs.items()} if kwargs else {}, tensors
-
-
-def fill_slots(args: tuple, kwargs: dict, values: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
-    def fill(a: Any) -> Any:
-        return values[a] if type(a) is _Slot else a
-
-    return tuple([fill(a) for a in args]), {k: fill(v) for k, v in kwargs.items()} if kwargs else {}
+    def call(self, func: torch._ops.OpOverload, values: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """``func`` on these arguments with ``values`` for their tensors: its results, as a list."""
+        # NB: on the hot path (every step, every piece): loops, no frames per argument.
+        args = list(self.args)
+        for pos, i in self.arg_slots:
+            args[pos] = values[i]
+        kwargs = self.kwargs
+        if self.kwarg_slots:
+            kwargs = dict(kwargs)
+            for name, i in self.kwarg_slots:
+                kwargs[name] = values[i]
+        return as_results(func._op(*args, **kwargs))
 
 
 def as_results(out: Any) -> list[torch.Tensor | None]:
@@ -307,8 +325,7 @@ class RowwiseStep:
     first operand's rows, a derived view of the gather."""
 
     func: torch._ops.OpOverload
-    args: tuple  # tensors as slots into ``operands``
-    kwargs: dict
+    template: ArgTemplate  # its arguments, tensors taken out: ``operands`` go in their places
     operands: list[RowOperand]
     outputs: list[GatheredView | None]
     geometry: GatheredView  # whose rows the pieces' (src, rows) count
@@ -346,7 +363,7 @@ class RowwiseStep:
                 if kind is Kind.OTHER and not op.other.completed:
                     op.other.handle.wait_chunk(src)
                 values.append(op.expanded(geometry.runs_of(op.tensor, src, rows)))
-        results = self._apply(values)
+        results = self.template.call(self.func, values)  # NB: _apply's, one frame shorter: every piece
         for view, result in zip(self.outputs, results):
             if view is not None:
                 geometry.runs_of(view.tensor, src, rows).copy_(result)
@@ -368,8 +385,7 @@ class RowwiseStep:
                 data[id(view)].view(result.shape).copy_(result)
 
     def _apply(self, values: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        args, kwargs = fill_slots(self.args, self.kwargs, values)
-        return as_results(self.func._op(*args, **kwargs))
+        return self.template.call(self.func, values)
 
     def describe(self) -> str:
         """``add -> $7 (row by row)``: what explain() names."""
@@ -525,7 +541,7 @@ _META_CACHE_SIZE = 4096
 def _meta_results(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor | None]:
     """The results of ``func(*args, **kwargs)`` as meta tensors (shapes,
     strides, dtypes), from the meta kernel, cached by the arguments' metadata."""
-    key = (func, tuple([_key(a) for a in args]), tuple([(k, _key(v)) for k, v in kwargs.items()]) if kwargs else ())
+    key = (func, _key(args), (tuple(kwargs), _key(kwargs.values())) if kwargs else ())
     found = _META_CACHE.get(key)
     if found is not None:
         _META_CACHE.move_to_end(key)
@@ -540,22 +556,30 @@ def _meta_results(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> lis
     return results
 
 
-def _key(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        # NB: a 0-dim CPU tensor beside others (a wrapped Python number) promotes
-        # by its value's kind only: the dtype and device say all the kernel reads.
-        return (tuple(a.shape), a.stride(), a.dtype, a.device.type)
-    if isinstance(a, (list, tuple)):
-        return tuple([_key(x) for x in a])
-    return a
+def _key(values: Iterable[Any]) -> tuple:
+    """What the meta kernel reads of these arguments: each tensor's
+    metadata, any other value itself (lists and tuples item by item)."""
+    key = []
+    for a in values:  # NB: a loop: every row-wise op's arguments pass here
+        if isinstance(a, torch.Tensor):
+            # NB: a 0-dim CPU tensor beside others (a wrapped Python number) promotes
+            # by its value's kind only: the dtype and device say all the kernel reads.
+            key.append((tuple(a.shape), a.stride(), a.dtype, a.device.type))
+        elif isinstance(a, (list, tuple)):
+            key.append(_key(a))
+        else:
+            key.append(a)
+    return tuple(key)
 
 
-def defer(engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+def defer(
+    engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict, tensors: list[torch.Tensor]
+) -> tuple[Any, str | None]:
     """``func(*args, **kwargs)`` deferred as a row-wise step on the rows of a
     gather in flight (Note [Row-wise ops on gathered rows]): its results,
     placeholders the step fills. Or ``(None, why)`` if it is not one (the
     caller completes what it reads and runs it); why is None where the op
-    reads no gathered rows at all."""
+    reads no gathered rows at all. ``tensors``: its tensor arguments, in order."""
     from eagertp.deferred import GatheredView, PendingGather
 
     if func is aten.copy_.default:
@@ -563,7 +587,7 @@ def defer(engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -
         return (args[0], None) if done else (None, None)
     store = engine.store
     primary = None
-    for t in (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
+    for t in tensors:
         found = store.gathered_view_of(t)
         if found is not None and _rows_width(t, found[1]) is not None:
             primary = (found[0], found[1], t)
@@ -583,11 +607,11 @@ def defer(engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -
         row_args, whole_args = args, None
     if rule.rewrite_dims and row_args is not None:
         row_args = (row_args[0], [-1], *row_args[2:])
-    slotted_args, slotted_kwargs, tensors = with_slots(row_args if row_args is not None else args, kwargs)
+    template, step_tensors = ArgTemplate.of(row_args if row_args is not None else args, kwargs)
     lead = geometry.tensor.shape[:-1]
     program_lead = program_rows.shape[:-1]
     operands: list[RowOperand] = []
-    for i, t in enumerate(tensors):
+    for i, t in enumerate(step_tensors):
         owner = store.owner(t)
         target = rule.in_place and i == 0
         if owner is gather:
@@ -652,10 +676,11 @@ def defer(engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -
             views[i] = GatheredView(
                 out.view(*lead, r.shape[-1]), geometry.dim, geometry.world, store.next_tid(), derived=True
             )
+    made = [v for v in views if v is not None]
     step = None
-    if row_args is not None and (rule.in_place or any(v is not None for v in views)):
+    if row_args is not None and (rule.in_place or made):
         step = RowwiseStep(
-            func, slotted_args, slotted_kwargs, operands, views, geometry, store.next_tid(),
+            func, template, operands, views, geometry, store.next_tid(),
             in_place=rule.in_place, windowed=windowed,
         )
     whole = None
@@ -672,7 +697,7 @@ def defer(engine: Any, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -
             for a in whole_args
         )
         whole = WholeStep(func, whole_args, kwargs, outputs, store.next_tid())
-    store.add_rowwise(gather, step, [v for v in views if v is not None], whole)
+    store.add_rowwise(gather, step, made, whole)
     if step is not None:
         engine.trace.event(*step.trace_event())
     if whole is not None:

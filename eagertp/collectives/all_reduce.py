@@ -147,7 +147,7 @@ def all_reduce(
         # all-reduce overwrote it: nothing can read it any more.
         product.absorbed = True
     # NB: after the start: the gather half is in flight behind them.
-    engine.complete_past(func, product.tid - 1)
+    engine.complete_before(func, product)
     engine.stats["matmul_all_reduce"] += 1
     engine.trace.mark_fused(record, plan.fused_with(), gather.backend)
     engine.trace.event("matmul_all_reduce({}, ${}) [{}]", reduce_op, product.tid, gather.backend)

@@ -68,7 +68,7 @@ def reduce_scatter(
     )
     if found is not None and why_not is None:
         product, scatter_view = found
-        engine.complete_past(func, product.tid - 1)  # NB: before the scatter allocates its buffers
+        engine.complete_before(func, product)  # NB: before the scatter allocates its buffers
         plan = ReduceScatterPlan(out, reduce_op, group, record, product=product, scatter_view=scatter_view)
         _issue(engine, plan, "")
         # NB: the producer computed only what the reduce-scatter needs. The
