@@ -1154,7 +1154,12 @@ class PendingStore:
     def readers(self, tensors: Iterable[torch.Tensor]) -> list[Pending]:
         """The pending items whose work reads the storage of any of ``tensors``
         (a gather's: its consumers'), in record order."""
-        keys = {key for t in tensors if (key := storage_key(t)) in self._inputs}
+        # NB: a loop (storage_key spelled out): every write while work is pending.
+        inputs, keys = self._inputs, set()
+        for t in tensors:
+            key = t.untyped_storage()._cdata
+            if key in inputs:
+                keys.add(key)
         if not keys:
             return []
         return [item for item in self.items if any(storage_key(t) in keys for t in item.inputs())]

@@ -192,7 +192,9 @@ class Engine:
                     first = None  # NB: asked again: the attempt may have completed work
                 self._complete_for(func, args, kwargs, facts, tensors, why, first)
             elif facts.written:  # NB: else it neither reads nor writes pending work (most ops)
-                self._complete_for(func, args, kwargs, facts, tensors, None)
+                written = written_tensors(func, args, kwargs)
+                if written:  # NB: it reads none, and completing work makes nothing pending
+                    self.before_write(func, written, owners=False)
         return func._op(*args, **kwargs)  # NB: OpOverload.__call__ is a Python frame
 
     def decompose(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:

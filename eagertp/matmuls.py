@@ -128,7 +128,7 @@ def _add_or_mul(engine: Engine, func, args, kwargs):
     result still produces from the products."""
     if not engine.store.items:
         return func._op(*args, **kwargs)
-    if len(args) == 2 and kwargs.get("alpha", 1) == 1:
+    if len(args) == 2 and kwargs.get("alpha", 1) == 1 and (_made(engine, args[0]) or _made(engine, args[1])):
         x, y = args
         if func is aten.add.Tensor and isinstance(y, torch.Tensor):
             deferred = engine.defer_sum(x, y)
@@ -140,6 +140,17 @@ def _add_or_mul(engine: Engine, func, args, kwargs):
                 op = torch.add if func is aten.add.Tensor else torch.mul
                 return engine.defer_pointwise(product, op, operand, torch.result_type(target, operand))
     return engine.run_plain(func, args, kwargs)
+
+
+def _made(engine: Engine, t) -> bool:
+    """True if ``t`` may be the output of a pending product, or of a matmul
+    bound to a gather: what a deferred sum or epilogue starts from. Most adds
+    while work is pending read neither (the residual add of gathered rows:
+    Note [Row-wise ops on gathered rows] in eagertp.rowwise)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    owner = engine.store.owner(t)
+    return owner is not None and (not isinstance(owner, PendingGather) or owner.view_of(t) is None)
 
 
 @register([aten._to_copy.default])
@@ -201,6 +212,8 @@ def _in_place_epilogue(engine: Engine, func, args, kwargs):
     if not engine.store.items:
         return func._op(*args, **kwargs)
     target, operand = args[0], args[1]
+    if engine.store.owner(target) is None:  # NB: most in-place adds (autograd's sums of gradients)
+        return engine.run_plain(func, args, kwargs)
     product = _bound_target(engine, target, operand, kwargs)
     if product is None:
         product = _epilogue_target(engine, target, operand, kwargs, in_place=True)

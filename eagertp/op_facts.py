@@ -78,7 +78,9 @@ def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> l
     if not facts.written:  # NB: most ops, on the path of every op while work is pending
         return []
     found: list[torch.Tensor] = []
-    pending = [args[i] if i < len(args) else kwargs.get(name) for i, name in facts.written]
+    pending = []
+    for i, name in facts.written:  # NB: a loop: every in-place op while work is pending
+        pending.append(args[i] if i < len(args) else kwargs.get(name))
     while pending:
         a = pending.pop()
         if isinstance(a, torch.Tensor):
