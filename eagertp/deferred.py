@@ -802,22 +802,26 @@ def _refs(tensors: dict[int, torch.Tensor]) -> dict[int, int]:
 _REFS_BASE = _refs({0: torch.empty(0)})[0]
 
 
-def orphaned_storages(items: Iterable[Pending]) -> set[int]:
-    """Storages that nothing but the inputs of ``items`` can reach (Note
-    [Products past their collective]): no other Python reference to those
-    tensors or their view bases, no C++ holder (autograd), no other view."""
+def orphaned_storages(items: Iterable[Pending], among: set[int]) -> set[int]:
+    """The storages of ``among`` that nothing but the inputs of ``items`` can
+    reach (Note [Products past their collective]): no other Python reference
+    to those tensors or their view bases, no C++ holder (autograd), no other
+    view."""
     tensors: dict[int, torch.Tensor] = {}
-    uses: collections.Counter[int] = collections.Counter()
+    uses: dict[int, int] = {}
     for mm in _matmul_leaves(items):
         for t in (mm.a, mm.b, mm.bias):
-            if t is not None:
+            # NB: only the tensors on those storages: the others' counts decide nothing.
+            if t is not None and t.untyped_storage()._cdata in among:
                 tensors[id(t)] = t
-                uses[id(t)] += 1
+                uses[id(t)] = uses.get(id(t), 0) + 1
+    if not tensors:
+        return set()
     refs = _refs(tensors)
     per_storage: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
     for key, t in tensors.items():
         held = refs[key] == _REFS_BASE + uses[key] and t._use_count() == 1 and not weakref.getweakrefcount(t)
-        per_storage[storage_key(t)].append(t if held else None)
+        per_storage[t.untyped_storage()._cdata].append(t if held else None)
     orphans: set[int] = set()
     for key, held in per_storage.items():
         if any(t is None for t in held):
@@ -896,7 +900,7 @@ class PendingGather:
         return next((mm for mm in self.consumers if storage_key(mm.out) == key), None)
 
     def view_of(self, t: torch.Tensor) -> GatheredView | None:
-        key = storage_key(t)
+        key = t.untyped_storage()._cdata  # NB: storage_key, spelled out
         for v in self.views:  # NB: a loop: every matmul on a gather asks
             if v.tensor.untyped_storage()._cdata == key:
                 return v
@@ -985,7 +989,7 @@ class PendingStore:
 
     def add_gathered_view(self, gather: PendingGather, view: GatheredView) -> None:
         gather.views.append(view)
-        self._owner[storage_key(view.tensor)] = gather
+        self._owner[view.tensor.untyped_storage()._cdata] = gather  # NB: storage_key, spelled out
 
     def add_scatter_view(self, product: Product, view: ScatterView) -> None:
         product.scatter_views.append(view)
@@ -1135,11 +1139,11 @@ class PendingStore:
         item = self._owner[key]
         if not isinstance(item, PendingGather):
             return item.tid  # its output and its scatter views share its id
-        for v in item.views:  # NB: loops: a read of a gather's view is on the hot path
-            if storage_key(v.tensor) == key:
-                return v.tid
+        view = item.view_of(t)  # NB: a read of a gather's view is on the hot path
+        if view is not None:
+            return view.tid
         for mm in item.consumers:
-            if storage_key(mm.out) == key:
+            if mm.out.untyped_storage()._cdata == key:  # NB: storage_key, spelled out
                 return mm.tid
         return next(w.tid for w in item.wholes for p in w.placeholders() if storage_key(p) == key)
 

@@ -175,14 +175,12 @@ class Engine:
         reads (or all of it, if it writes an input of pending work)."""
         if self.store.items:
             facts = OP_FACTS.get(func._op) or op_facts(func)
-            if facts.passes:  # NB: a view of pending work stays pending (no row-wise op is one)
-                return func._op(*args, **kwargs)
             tensors = tensor_leaves(args, kwargs)
             first = self.store.touched(tensors)
             if first is not None:
                 if facts.composite:
                     return self.decompose(func, args, kwargs)
-                if facts.metadata_only:
+                if facts.metadata_only:  # NB: a view of pending work stays pending (no row-wise op is one)
                     return func._op(*args, **kwargs)
                 why = None
                 if func._op in rowwise.ANY_RULE:  # NB: a row-wise op reads gathered rows, so pending ones
@@ -381,13 +379,16 @@ class Engine:
         of, the absorbed products nothing can read."""
         # NB: on the hot path (every deferred matmul while work is pending):
         # the store's products listed once, nothing more when there are none.
-        products = [p for p in self.store.items if not isinstance(p, PendingGather)]
+        products = [p for p in self.store.items if not isinstance(p, PendingGather)]  # NB: _drop removes
         if not products:
             return
+        past = []
         for product in products:
-            if product.absorbed and product.unobserved():
-                self._drop(product)
-        past = [p for p in products if not p.absorbed and p.tid <= mark]
+            if product.absorbed:
+                if product.unobserved():
+                    self._drop(product)
+            elif product.tid <= mark:
+                past.append(product)
         if past:
             self._complete_past(func, past)
         self.complete_orphaned_weight_gradients(func)
@@ -410,12 +411,15 @@ class Engine:
     def complete_orphaned_weight_gradients(self, func: Any) -> None:
         """Compute the pending weight gradients that read a storage nothing but
         pending work can reach (Note [Products past their collective])."""
-        if not self.store.items:
-            return
-        candidates = [p for p in self.store.standalone(absorbed=False) if is_weight_gradient(p)]
+        candidates, among = [], set()
+        for p in self.store.items:  # NB: a loop: every deferred matmul while work is pending asks
+            if not isinstance(p, PendingGather) and not p.absorbed and is_weight_gradient(p):
+                candidates.append(p)
+                for t in p.inputs():
+                    among.add(storage_key(t))
         if not candidates:
             return
-        orphans = orphaned_storages(self.store.items)
+        orphans = orphaned_storages(self.store.items, among)
         ready = [p for p in candidates if any(storage_key(t) in orphans for t in p.inputs())]
         if ready:
             reason = Reason("{}: ${} holds inputs nothing else can reach", func, ready[-1].tid)
@@ -787,8 +791,11 @@ class Engine:
             gather, view, operand, scale_gather, why_not = match_gather_operand(self.store, a, b, bias, scaled)
             if why_not is not None:
                 self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
-            elif gather is None:
-                self.complete_for(func, args, kwargs)
+            elif gather is None:  # NB: complete_for's work for an op that writes nothing
+                tensors = tensor_leaves(args, kwargs)
+                first = self.store.touched(tensors)
+                if first is not None:
+                    self.complete_owners(tensors, func, first=first)
         mm = PendingMatmul(
             func,
             None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,
@@ -862,8 +869,11 @@ class Engine:
             if mm is not None and len(tensors) > 1 and all(storage_key(t) == key for t in tensors):
                 self.unbind_consumer(mm.out, "cat")
                 owner = self.store.owner(tensors[0])
-        if owner is None or any(self.store.owner(t) is not owner for t in tensors):
+        if owner is None:
             return None
+        for t in tensors:  # NB: a loop: every cat while work is pending
+            if self.store.owner(t) is not owner:
+                return None
         world = len(tensors)
         if isinstance(owner, PendingGather):
             dim = dim % owner.shard.dim()

@@ -92,7 +92,8 @@ class EagerTPMode(TorchDispatchMode):
             return func._op(*args, **kwargs)
         handler = HANDLERS.get(func._op)
         if handler is None:
-            if not engine.store.items:
+            # NB: views pass whatever is pending (a view of pending work stays pending).
+            if not engine.store.items or (OP_FACTS.get(func._op) or op_facts(func)).passes:
                 return func._op(*args, **kwargs)
             return engine.run_plain(func, args, kwargs)
         # An in-place collective may write a shard in flight (NB: the op's facts

@@ -130,13 +130,17 @@ def _scale_rows_of(scale_a: torch.Tensor, view: GatheredView, a: torch.Tensor) -
 def same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
     """True if ``tensors`` are exactly the views ``expected``: the same storage,
     offsets, shapes and strides."""
-    return len(tensors) == len(expected) and all(
-        t.shape == e.shape
-        and t.stride() == e.stride()
-        and t.storage_offset() == e.storage_offset()
-        and storage_key(t) == storage_key(e)
-        for t, e in zip(tensors, expected)
-    )
+    if len(tensors) != len(expected):
+        return False
+    for t, e in zip(tensors, expected):  # NB: a loop, storage_key spelled out: every cat of pending work
+        if (
+            t.shape != e.shape
+            or t.stride() != e.stride()
+            or t.storage_offset() != e.storage_offset()
+            or t.untyped_storage()._cdata != e.untyped_storage()._cdata
+        ):
+            return False
+    return True
 
 
 def matmul_out_dtype(

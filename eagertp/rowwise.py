@@ -357,12 +357,14 @@ class RowwiseStep:
             kind = op.kind
             if kind is Kind.WHOLE:
                 values.append(op.tensor)
-            elif kind is Kind.PIECE:
-                values.append(op.expanded(piece.reshape(1, -1, op.tensor.shape[-1])))
             else:
-                if kind is Kind.OTHER and not op.other.completed:
-                    op.other.handle.wait_chunk(src)
-                values.append(op.expanded(geometry.runs_of(op.tensor, src, rows)))
+                if kind is Kind.PIECE:
+                    rows_read = piece.reshape(1, -1, op.tensor.shape[-1])
+                else:
+                    if kind is Kind.OTHER and not op.other.completed:
+                        op.other.handle.wait_chunk(src)
+                    rows_read = geometry.runs_of(op.tensor, src, rows)
+                values.append(rows_read if op.width is None else op.expanded(rows_read))  # NB: no frame, mostly
         results = self.template.call(self.func, values)  # NB: _apply's, one frame shorter: every piece
         for view, result in zip(self.outputs, results):
             if view is not None:
@@ -589,12 +591,14 @@ def defer(
     primary = None
     for t in tensors:
         found = store.gathered_view_of(t)
-        if found is not None and _rows_width(t, found[1]) is not None:
-            primary = (found[0], found[1], t)
-            break
+        if found is not None:
+            width = _rows_width(t, found[1])
+            if width is not None:
+                primary = (found[0], found[1], t, width)
+                break
     if primary is None:
         return None, None
-    gather, geometry, program_rows = primary
+    gather, geometry, program_rows, program_width = primary
     ndim = program_rows.dim()
     rule, why = _rule_for(func, args, kwargs, ndim)
     if rule is None:
@@ -612,11 +616,15 @@ def defer(
     program_lead = program_rows.shape[:-1]
     operands: list[RowOperand] = []
     for i, t in enumerate(step_tensors):
-        owner = store.owner(t)
+        if t is program_rows:  # NB: its view and width found above
+            owner, view, width = gather, geometry, program_width
+        else:
+            owner = store.owner(t)
+            if owner is gather:
+                view = gather.view_of(t)
+                width = None if view is None else _rows_width(t, view)
         target = rule.in_place and i == 0
         if owner is gather:
-            view = gather.view_of(t)
-            width = None if view is None else _rows_width(t, view)
             if width is None or view.tensor.shape[:-1] != lead:
                 return None, f"it reads {tensor_str(t)} of the gather, not as its rows"
             if target and (width or not view.derived):
