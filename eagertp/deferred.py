@@ -35,7 +35,7 @@ and on a group of one: it runs at once, as in plain eager, since deferring it
 could only cost (~30 us of Python per matmul).
 A product whose fused consumer already took what it needed (a reduce-scatter's
 producer, a longer sum) stays pending as *absorbed*: computed in full if the
-program reads it, skipped at a flush when nothing can reach it (``_unobserved``).
+program reads it, skipped at a flush when nothing can reach it (``unobserved``).
 
 Pending entries are keyed by storage identity (``StorageImpl`` address). The
 store holds the placeholders, so their storages stay alive and a key cannot be
@@ -359,7 +359,14 @@ class _Standalone:
             sv.fill(self.out)
 
     def unobserved(self) -> bool:
-        return _unobserved(self)
+        """True if nothing but this pending item can reach its placeholders.
+        Then computing it would be work that nobody can observe."""
+        if not _held_by_item_only(self.out):
+            return False
+        for sv in self.scatter_views:  # NB: a loop, not all(): most have none
+            if not _held_by_item_only(sv.tensor):
+                return False
+        return True
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -764,17 +771,6 @@ def storage_uses(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def _unobserved(product: Product) -> bool:
-    """True if nothing but this pending item can reach its placeholders.
-    Then computing it would be work that nobody can observe."""
-    if not _held_by_item_only(product.out):
-        return False
-    for sv in product.scatter_views:  # NB: a loop, not all(): most have none
-        if not _held_by_item_only(sv.tensor):
-            return False
-    return True
-
-
 def _matmul_leaves(items: Iterable[Pending]) -> list[PendingMatmul]:
     """The matmuls behind ``items`` (a sum's terms, a cast's source, a gather's
     consumers), each once."""
@@ -1079,7 +1075,11 @@ class PendingStore:
     def standalone(self, *, absorbed: bool) -> list[Product]:
         """The pending products that are not a gather's consumers, absorbed
         (a fused collective produced what it needed) or not, in record order."""
-        return [p for p in self.items if not isinstance(p, PendingGather) and p.absorbed == absorbed]
+        found = []
+        for p in self.items:  # NB: a loop: asked at every fused collective and completion of a gather
+            if not isinstance(p, PendingGather) and p.absorbed == absorbed:
+                found.append(p)
+        return found
 
     def owner(self, t: torch.Tensor) -> Pending | None:
         return self._owner.get(t.untyped_storage()._cdata)  # NB: storage_key, spelled out

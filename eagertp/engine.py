@@ -399,7 +399,10 @@ class Engine:
         eager would have computed them, and freed their inputs, long ago."""
         if len(self.store.items) == 1:  # NB: the product alone: nothing before it
             return
-        past = [p for p in self.store.standalone(absorbed=False) if p.tid < product.tid]
+        past = []
+        for p in self.store.standalone(absorbed=False):  # NB: a loop: every fused reduce-scatter and all-reduce
+            if p.tid < product.tid:
+                past.append(p)
         if past:
             self._complete_past(func, past)
 
@@ -476,7 +479,7 @@ class Engine:
         for item in ordered:
             if item not in self.store.items:
                 continue  # completed earlier in this call, as work in flight
-            if isinstance(item, PendingGather) and self._data_gathers(item, items):
+            if isinstance(item, PendingGather) and item.scale_of and self._data_gathers(item, items):
                 continue  # completed right after them (Note [Gathered row-wise scales])
             self.store.remove(item)
             try:
@@ -497,6 +500,8 @@ class Engine:
         """``items``, each gather preceded by every standalone product still
         pending and not absorbed but those in ``keep``: the transfer hides
         behind them (Note [Work issued while a gather is in flight])."""
+        if len(self.store.items) == 1:  # NB: the item alone (a read of one gather): nothing in flight
+            return items
         ordered: list[Pending] = []
         products = self.store.standalone(absorbed=False)
         for item in items:
@@ -513,8 +518,6 @@ class Engine:
     def _data_gathers(self, scale: PendingGather, items: list[Pending]) -> bool:
         """True if ``scale`` is the row-wise scale of consumers of a gather among
         ``items`` still pending: that gather completes it."""
-        if not scale.scale_of:  # NB: the common case, without the generators' frames
-            return False
         return any(any(self.store.owner(mm.out) is item for item in items) for mm in scale.scale_of)
 
     def _complete_gather(self, gather: PendingGather, reason: str | Reason) -> None:
