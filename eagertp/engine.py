@@ -417,13 +417,13 @@ class Engine:
         candidates, among = [], set()
         for p in self.store.items:  # NB: a loop: every deferred matmul while work is pending asks
             if not isinstance(p, PendingGather) and not p.absorbed and is_weight_gradient(p):
-                candidates.append(p)
-                for t in p.inputs():
-                    among.add(storage_key(t))
+                keys = {storage_key(t) for t in p.inputs()}
+                candidates.append((p, keys))
+                among |= keys
         if not candidates:
             return
         orphans = orphaned_storages(self.store.items, among)
-        ready = [p for p in candidates if any(storage_key(t) in orphans for t in p.inputs())]
+        ready = [p for p, keys in candidates if keys & orphans]
         if ready:
             reason = Reason("{}: ${} holds inputs nothing else can reach", func, ready[-1].tid)
             self.trace.event("wait: {}", reason)
@@ -794,11 +794,8 @@ class Engine:
             gather, view, operand, scale_gather, why_not = match_gather_operand(self.store, a, b, bias, scaled)
             if why_not is not None:
                 self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
-            elif gather is None:  # NB: complete_for's work for an op that writes nothing
-                tensors = tensor_leaves(args, kwargs)
-                first = self.store.touched(tensors)
-                if first is not None:
-                    self.complete_owners(tensors, func, first=first)
+            elif gather is None:
+                self.complete_for(func, args, kwargs)
         mm = PendingMatmul(
             func,
             None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,

@@ -349,7 +349,7 @@ class RowwiseStep:
             for run in runs:
                 start = run.storage_offset() - source.storage_offset()
                 flat_out[start : start + length] = in_window(
-                    lambda t: self._apply([t])[0], flat_in, start, length
+                    lambda t: self.template.call(self.func, [t])[0], flat_in, start, length
                 )
             return
         values = []
@@ -365,7 +365,7 @@ class RowwiseStep:
                         op.other.handle.wait_chunk(src)
                     rows_read = geometry.runs_of(op.tensor, src, rows)
                 values.append(rows_read if op.width is None else op.expanded(rows_read))  # NB: no frame, mostly
-        results = self.template.call(self.func, values)  # NB: _apply's, one frame shorter: every piece
+        results = self.template.call(self.func, values)
         for view, result in zip(self.outputs, results):
             if view is not None:
                 geometry.runs_of(view.tensor, src, rows).copy_(result)
@@ -382,12 +382,9 @@ class RowwiseStep:
                 values.append(op.expanded(data[id(op.other)].view(op.tensor.shape)))
             else:
                 values.append(op.expanded(data[id(op.view)].view(op.tensor.shape)))
-        for view, result in zip(self.outputs, self._apply(values)):
+        for view, result in zip(self.outputs, self.template.call(self.func, values)):
             if view is not None:
                 data[id(view)].view(result.shape).copy_(result)
-
-    def _apply(self, values: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        return self.template.call(self.func, values)
 
     def describe(self) -> str:
         """``add -> $7 (row by row)``: what explain() names."""
