@@ -227,6 +227,60 @@ def all_rows(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# Note [Runs as one view]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Row-wise steps read and write every operand piece by piece, as runs of rows
+# (``GatheredView.runs_of``): a reshape to the view's dims, a narrow to the
+# rank's block, a narrow to the piece's rows and a reshape to runs is four
+# views, about 35k instructions of the ~50k a row-wise step spends per operand
+# and piece (below autograd; benchmarks/NOTES.md). On a contiguous tensor the
+# same elements are one ``as_strided``: runs of ``length`` rows, ``stride``
+# rows apart, from row ``start`` of the tensor seen as rows ``[M, X]``, numbers
+# that depend on the view's shape and the piece only, counted in rows so that
+# every operand (whatever its last dim X) shares them. With ``L`` the view's
+# leading dims, ``inner(d) = prod(L[d+1:])`` rows per index of dim d, rank
+# ``src``'s block of ``block`` indices along the gather dim and the piece's
+# rows ``r0:r1`` along the shard's piece dim:
+#
+#     stride = L[dim] * inner(dim)
+#     start  = src * block * inner(dim) + r0 * inner(piece_dim)
+#     piece_dim >= dim: prod(L[:dim]) runs of (r1 - r0) * inner(piece_dim) rows
+#     piece_dim <  dim: (r1 - r0) * prod(L[piece_dim+1:dim]) runs of block * inner(dim)
+#
+# (the dims of a shard before its piece dim have size 1: ``piece_dim`` in
+# eagertp.backends.base). Non-contiguous tensors keep the four views.
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunGeometry:
+    """What ``runs_of`` needs of a view's shape, in rows (Note [Runs as one view])."""
+
+    rows: int  # prod(L): the rows of the view, and of every tensor whose rows follow it
+    lead: int  # prod(L[:dim]): runs of a whole block
+    stride: int  # rows from one run to the next
+    block_rows: int  # rows of one rank's block in a run: block * inner(dim)
+    piece_rows: int  # rows per index of the piece dim: inner(piece_dim)
+    piece_before_dim: bool
+    between: int  # prod(L[piece_dim+1:dim]): runs per index of the piece dim, when it comes first
+
+    @staticmethod
+    def of(view: GatheredView) -> _RunGeometry:
+        lead_dims = view.tensor.shape[:-1]
+        dim, pdim = view.dim, view.piece_dim
+        if not (dim < len(lead_dims) and pdim < len(lead_dims)):  # not rows: runs_of takes the four views
+            return _RunGeometry(rows=-1, lead=0, stride=0, block_rows=0, piece_rows=0, piece_before_dim=False, between=0)
+        inner_dim = math.prod(lead_dims[dim + 1 :])
+        return _RunGeometry(
+            rows=math.prod(lead_dims),
+            lead=math.prod(lead_dims[:dim]),
+            stride=lead_dims[dim] * inner_dim,
+            block_rows=view.block * inner_dim,
+            piece_rows=math.prod(lead_dims[pdim + 1 :]),
+            piece_before_dim=pdim < dim,
+            between=math.prod(lead_dims[pdim + 1 : dim]),
+        )
+
+
 @dataclasses.dataclass(eq=False)
 class GatheredView:
     """A pending gather as the program sees it: ``tensor`` is ``cat`` of the W
@@ -248,6 +302,7 @@ class GatheredView:
     piece_dim: int = dataclasses.field(init=False, repr=False)
     shard_rows: int = dataclasses.field(init=False, repr=False)
     block: int = dataclasses.field(init=False, repr=False)  # size of one rank's block along ``dim``
+    _runs: _RunGeometry | None = dataclasses.field(init=False, repr=False, default=None)  # once runs_of asks
 
     def __post_init__(self) -> None:
         shard_shape = list(self.tensor.shape)
@@ -298,8 +353,24 @@ class GatheredView:
     def runs_of(self, t: torch.Tensor, src: int, rows: slice | None = None) -> torch.Tensor:
         """``rows_of`` as runs of contiguous rows, a view ``[runs, rows per run,
         X]``: along dim d > 0 one run per index of the dims before d."""
-        block = self.block_of(t.reshape(*self.tensor.shape[:-1], t.shape[-1]), src, rows)
-        return block.reshape(math.prod(block.shape[: self.dim]), -1, t.shape[-1])
+        x = t.shape[-1]
+        runs = self._runs
+        if runs is None:
+            runs = self._runs = _RunGeometry.of(self)
+        if not t.is_contiguous() or t.numel() != runs.rows * x:  # NB: the reshape says what is wrong
+            block = self.block_of(t.reshape(*self.tensor.shape[:-1], x), src, rows)
+            return block.reshape(math.prod(block.shape[: self.dim]), -1, x)
+        # NB: the hot path (every row-wise step, each operand and piece): one
+        # view, not four (Note [Runs as one view]).
+        if rows is None:
+            count, length, start = runs.lead, runs.block_rows, src * runs.block_rows
+        else:
+            start = src * runs.block_rows + rows.start * runs.piece_rows
+            if runs.piece_before_dim:
+                count, length = (rows.stop - rows.start) * runs.between, runs.block_rows
+            else:
+                count, length = runs.lead, (rows.stop - rows.start) * runs.piece_rows
+        return t.as_strided((count, length, x), (runs.stride * x, x, 1), t.storage_offset() + start * x)
 
     def aligned(self, t: torch.Tensor) -> bool:
         """True if every shard row makes whole rows of ``t`` (a row view of this

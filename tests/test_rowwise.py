@@ -15,6 +15,7 @@ Two levels:
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -242,6 +243,35 @@ def test_a_windowed_op_on_a_tensor_split_over_threads_is_refused():
         assert why_not_windowed(operands) is None
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "lead, dim, world",
+    [((8,), 0, 2), ((2, 8), 0, 2), ((4, 1, 3), 0, 4), ((2, 8), 1, 2), ((3, 4, 2), 1, 2),
+     ((2, 2, 6), 1, 2), ((2, 3, 4), 2, 4), ((1, 2, 6), 1, 2), ((1, 2, 8), 1, 2)],
+)
+def test_runs_of_rows_are_the_four_views_as_one(lead, dim, world):
+    """Note [Runs as one view]: on contiguous tensors of any last dim, the one
+    ``as_strided`` view of every piece holds the elements of the reshape,
+    narrow, narrow, reshape it replaces, and writes through to the tensor."""
+    from eagertp.deferred import GatheredView
+
+    view = GatheredView(torch.zeros(*lead, 5), dim, world, 0)
+    for x in (5, 3):
+        t = torch.arange(math.prod(lead) * x, dtype=torch.float32).view(*lead, x)
+        shard_rows = view.shard_rows
+        pieces = [None] + [slice(a, b) for a in range(shard_rows) for b in range(a + 1, shard_rows + 1)]
+        for src, rows in itertools.product(range(world), pieces):
+            block = view.block_of(t.reshape(*lead, x), src, rows)
+            want = block.reshape(math.prod(block.shape[:dim]), -1, x)
+            got = view.runs_of(t, src, rows)
+            assert got.shape == want.shape and torch.equal(got, want), (lead, dim, src, rows)
+            assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        assert view._runs.rows == math.prod(lead)  # the one view ran
+        # Not contiguous: the four views still (equal elements; a copy where they must).
+        strided = torch.arange(math.prod(lead) * x * 2, dtype=torch.float32).view(*lead, 2 * x)[..., ::2]
+        block = view.block_of(strided.reshape(*lead, x), world - 1)
+        assert torch.equal(view.runs_of(strided, world - 1), block.reshape(math.prod(block.shape[:dim]), -1, x))
 
 
 def _chain_worker(rank, group, case, verify):
