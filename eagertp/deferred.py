@@ -230,14 +230,15 @@ def all_rows(t: torch.Tensor) -> torch.Tensor:
 # Note [Runs as one view]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # Row-wise steps read and write every operand piece by piece, as runs of rows
-# (``GatheredView.runs_of``): a reshape to the view's dims, a narrow to the
-# rank's block, a narrow to the piece's rows and a reshape to runs is four
-# views, about 35k instructions of the ~50k a row-wise step spends per operand
-# and piece (below autograd; benchmarks/NOTES.md). On a contiguous tensor the
-# same elements are one ``as_strided``: runs of ``length`` rows, ``stride``
-# rows apart, from row ``start`` of the tensor seen as rows ``[M, X]``, numbers
-# that depend on the view's shape and the piece only, counted in rows so that
-# every operand (whatever its last dim X) shares them. With ``L`` the view's
+# (``GatheredView.runs_of``), and so do the matmuls of a reduce-scatter along a
+# dim > 0 (``ReduceScatterPlan.producer``). A reshape to the view's dims, a
+# narrow to the rank's block, a narrow to the piece's rows and a reshape to
+# runs is four views: about 32k instructions below autograd, where one
+# ``as_strided`` costs 7.5k (benchmarks/NOTES.md). On a contiguous tensor the
+# same elements are that one view: runs of ``length`` rows, ``stride`` rows
+# apart, from row ``start`` of the tensor seen as rows ``[M, X]``, numbers that
+# depend on the view's shape and the piece only, counted in rows so that every
+# operand (whatever its last dim X) shares them. With ``L`` the view's
 # leading dims, ``inner(d) = prod(L[d+1:])`` rows per index of dim d, rank
 # ``src``'s block of ``block`` indices along the gather dim and the piece's
 # rows ``r0:r1`` along the shard's piece dim:

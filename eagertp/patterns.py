@@ -338,10 +338,17 @@ class ReduceScatterPlan:
             # dims before sv.dim ([B, S/W, K] of [B, S, K]: B runs).
             lead, block = sv.shape[:-1], sv.shape[sv.dim] // sv.world
             runs = math.prod(lead[: sv.dim])
+            # In rows of the operands seen as [M, X] (Note [Runs as one view]
+            # in eagertp.deferred): runs of block * inner rows, stride apart.
+            inner = math.prod(lead[sv.dim + 1 :])
+            length, stride, total = block * inner, lead[sv.dim] * inner, math.prod(lead)
 
             def runs_for(c: int) -> RowSelect:  # [runs, rows per run, X]: views, no copy
                 def runs_of(t: torch.Tensor) -> torch.Tensor:
-                    return t.reshape(*lead, t.shape[-1]).narrow(sv.dim, c * block, block).reshape(runs, -1, t.shape[-1])
+                    x = t.shape[-1]
+                    if t.is_contiguous() and t.numel() == total * x:  # NB: one view, not three
+                        return t.as_strided((runs, length, x), (stride * x, x, 1), t.storage_offset() + c * length * x)
+                    return t.reshape(*lead, x).narrow(sv.dim, c * block, block).reshape(runs, -1, x)
 
                 return runs_of
 
