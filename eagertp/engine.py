@@ -115,8 +115,7 @@ class Engine:
         self.matmul_work = 0
         self._deferral_bytes.clear()
         self.before_collective = -1
-        if self.unseen.known or self.unseen.handed:
-            self.unseen.reset()
+        self.unseen.reset()
 
     def never_fused(self, rows: int, cols: int, device_type: str) -> bool:
         """True if a product of ``rows x cols`` is too small for any reduce-

@@ -175,6 +175,8 @@ class EagerMicroPipeline:
                 raise
             # The block's own exception is the one the user must see.
             log.exception("eagertp: flush while leaving the block after %r failed", exc)
+        finally:
+            self._engine.unseen.reset()  # NB: holds no group between blocks
 
     # -- public API --------------------------------------------------------
 

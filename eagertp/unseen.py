@@ -23,7 +23,8 @@ with the tensor subclass the mode last handed an op to, if any (the likely
 culprit), counted in ``stats["unseen_operations"]`` and logged as a warning.
 The block's exit checks once more. A group is watched from the first
 collective the mode sees on it; groups whose backend does not number its
-operations are not watched.
+operations are not watched. Every block starts the watch afresh and drops it
+at its exit.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ class Unseen:
         self.handed: tuple | None = None
 
     def reset(self) -> None:
+        """Forget every group: at the block's entry and exit, so that the watch
+        holds no ProcessGroup between blocks (a group destroyed after the block
+        is freed with its threads)."""
         self.known.clear()
+        self._unnumbered.clear()
         self.handed = None
 
     def check(self, group: dist.ProcessGroup) -> list[tuple[int, str]] | None:

@@ -6,11 +6,14 @@ messages, eagertp's own traffic) never is."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
 import torch.distributed as dist
 from helpers import against_plain_eager, all_reduce, integer_tensor
+
+from eagertp import EagerMicroPipeline
 
 
 class _Hiding(torch.Tensor):
@@ -102,3 +105,21 @@ def test_communication_the_mode_sees_is_never_reported(pool):
         assert all(r["equal"]), r
         assert r["stats"] == {"matmul_all_reduce": 2}, r
         assert "did not see" not in r["explain"], r["explain"]
+
+
+def _group_freed_worker(rank, group):
+    """The watch references a group only inside the block: a group destroyed
+    after it is freed with its threads, not held until the next block."""
+    x = integer_tensor((8, 8), torch.float32, seed=rank)
+    w = integer_tensor((8, 8), torch.float32, seed=20)
+    pipe = EagerMicroPipeline(min_fuse_bytes=0)
+    before = sys.getrefcount(group)
+    with pipe:
+        all_reduce(x @ w, group)
+        inside = sys.getrefcount(group)
+    return {"fused": pipe.stats["matmul_all_reduce"], "before": before, "inside": inside, "after": sys.getrefcount(group)}
+
+
+def test_the_watch_holds_no_group_after_the_block(pool):
+    for r in pool.run(_group_freed_worker, 2, timeout=60):
+        assert r["fused"] == 1 and r["inside"] > r["before"] == r["after"], r
