@@ -1,6 +1,7 @@
 """Peak memory of a fused step against the unfused one.
 
     python benchmarks/memory.py [--m 1024 --k 1024 --n 1024] [--json out.json]
+    python benchmarks/memory.py --no-sequence-parallel   # the step in plain TP: all-reduces, row-wise chains
 
 On 2 gloo ranks, for all-gather + matmul, matmul + reduce-scatter and the
 demo's transformer step (forward + backward), measures the peak of tensor
@@ -30,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=256, help="transformer step: sequence length")
     parser.add_argument("--dim", type=int, default=256, help="transformer step: model width")
+    from eagertp.demo import add_sequence_parallel_arg
+
+    add_sequence_parallel_arg(parser)
     return parser.parse_args(argv)
 
 
@@ -58,7 +62,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
     from eagertp import EagerMicroPipeline
     from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
-    from eagertp.demo import build_model
+    from eagertp.demo import build_model, local_input
 
     group = dist.group.WORLD
     m, k, n = args.m, args.k, args.n
@@ -72,9 +76,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         return funcol_reduce_scatter(a @ b, "sum", 0, group).wait()
 
     mesh = DeviceMesh("cpu", list(range(world)))
-    model_args = ap.Namespace(dim=args.dim, heads=8, layers=1)
+    model_args = ap.Namespace(dim=args.dim, heads=8, layers=1, sequence_parallel=args.sequence_parallel)
     model = build_model(model_args, mesh)
-    x = torch.randn(2, args.seq // world, args.dim)
+    x = local_input(torch.randn(2, args.seq, args.dim), args.sequence_parallel, rank, world)
 
     def train_step():
         F.mse_loss(model(x), torch.zeros_like(x)).backward()
@@ -84,21 +88,32 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     cases = [
         ("all_gather_matmul", ag_mm, m // world * n * 4),  # chunk: one rank's rows of the output
         ("matmul_reduce_scatter", mm_rs, m // world * n * 4),
-        ("transformer_step", train_step, 2 * args.seq // world * 4 * args.dim * 4),  # largest chunk: the MLP's
+        # The largest chunk: with sequence parallel the MLP's; without, the all-reduced activation's.
+        ("transformer_step", train_step, 2 * args.seq // world * (4 if args.sequence_parallel else 1) * args.dim * 4),
     ]
     results = []
     for name, fn, chunk in cases:
         fn()  # warm-up (allocator, caches)
-        with EagerMicroPipeline():
+        with EagerMicroPipeline(min_fuse_bytes=0):
             fn()
         unfused = peak_bytes(fn)
 
+        # NB: every collective fused whatever its size (at these sizes the
+        # default rule fuses none of the step's).
+        pipe = EagerMicroPipeline(min_fuse_bytes=0)
+
         def fused(fn=fn):
-            with EagerMicroPipeline():
+            with pipe:
                 fn()
 
-        results.append({"case": name, "peak_unfused": unfused, "peak_fused": peak_bytes(fused), "chunk": chunk})
+        peak = peak_bytes(fused)
+        calls = sum(n for key, n in pipe.stats.items() if key in _FUSED_CALLS)
+        results.append({"case": name, "peak_unfused": unfused, "peak_fused": peak, "chunk": chunk, "fused_calls": calls})
     return results
+
+
+# The stats that count fused calls: what says the fused column measured fusion.
+_FUSED_CALLS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
 def main(argv=None) -> int:
@@ -124,6 +139,7 @@ def main(argv=None) -> int:
                 ("unfused", "unfused", ".2f"),
                 ("fused", "fused", ".2f"),
                 ("chunk_mib", "one chunk", ".2f"),
+                ("fused_calls", "fused calls", ""),
                 ("within", "fused <= unfused + chunk", ""),
             ],
         )

@@ -178,6 +178,7 @@ def test_memory_stays_within_one_chunk_of_unfused():
         rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in
                 ("all_gather_matmul", "matmul_reduce_scatter", "transformer_step")]
         assert len(rows) == 3, out
+        assert all(int(row[-2]) > 0 for row in rows), out  # the fused column measured fusion
         if all(row[-1] == "yes" for row in rows):
             return
         outs.append(out)
