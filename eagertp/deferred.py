@@ -234,11 +234,12 @@ def all_rows(t: torch.Tensor) -> torch.Tensor:
 # dim > 0 (``ReduceScatterPlan.producer``). A reshape to the view's dims, a
 # narrow to the rank's block, a narrow to the piece's rows and a reshape to
 # runs is four views: about 32k instructions below autograd, where one
-# ``as_strided`` costs 7.5k (benchmarks/NOTES.md). On a contiguous tensor the
-# same elements are that one view: runs of ``length`` rows, ``stride`` rows
-# apart, from row ``start`` of the tensor seen as rows ``[M, X]``, numbers that
-# depend on the view's shape and the piece only, counted in rows so that every
-# operand (whatever its last dim X) shares them. With ``L`` the view's
+# ``as_strided`` costs 7.5k
+# (benchmarks/results/call_instructions_2cpu_2026-12-04_ec3a99e.md). On a
+# contiguous tensor the same elements are that one view: runs of ``length``
+# rows, ``stride`` rows apart, from row ``start`` of the tensor seen as rows
+# ``[M, X]``, numbers that depend on the view's shape and the piece only,
+# counted in rows so that every operand (whatever its last dim X) shares them. With ``L`` the view's
 # leading dims, ``inner(d) = prod(L[d+1:])`` rows per index of dim d, rank
 # ``src``'s block of ``block`` indices along the gather dim and the piece's
 # rows ``r0:r1`` along the shard's piece dim:
