@@ -238,11 +238,12 @@ def all_rows(t: torch.Tensor) -> torch.Tensor:
 # (benchmarks/results/call_instructions_2cpu_2026-12-04_ec3a99e.md). On a
 # contiguous tensor the same elements are that one view: runs of ``length``
 # rows, ``stride`` rows apart, from row ``start`` of the tensor seen as rows
-# ``[M, X]``, numbers that depend on the view's shape and the piece only,
-# counted in rows so that every operand (whatever its last dim X) shares them. With ``L`` the view's
-# leading dims, ``inner(d) = prod(L[d+1:])`` rows per index of dim d, rank
-# ``src``'s block of ``block`` indices along the gather dim and the piece's
-# rows ``r0:r1`` along the shard's piece dim:
+# ``[M, X]`` (``rows_as_runs``), numbers that depend on the view's shape and
+# the piece only, counted in rows so that every operand (whatever its last dim
+# X) shares them. With ``L`` the view's leading dims, ``inner(d) =
+# prod(L[d+1:])`` rows per index of dim d, rank ``src``'s block of ``block``
+# indices along the gather dim and the piece's rows ``r0:r1`` along the
+# shard's piece dim:
 #
 #     stride = L[dim] * inner(dim)
 #     start  = src * block * inner(dim) + r0 * inner(piece_dim)
@@ -251,6 +252,17 @@ def all_rows(t: torch.Tensor) -> torch.Tensor:
 #
 # (the dims of a shard before its piece dim have size 1: ``piece_dim`` in
 # eagertp.backends.base). Non-contiguous tensors keep the four views.
+
+
+def rows_as_runs(t: torch.Tensor, rows: int, count: int, length: int, stride: int, start: int) -> torch.Tensor | None:
+    """``t`` seen as ``rows`` rows ``[rows, X]``: ``count`` runs of ``length``
+    rows, ``stride`` rows apart, from row ``start``, as one view ``[count,
+    length, X]`` (Note [Runs as one view]); None unless ``t`` is contiguous
+    and holds that many rows (the caller takes its views one by one)."""
+    x = t.shape[-1]
+    if not t.is_contiguous() or t.numel() != rows * x:
+        return None
+    return t.as_strided((count, length, x), (stride * x, x, 1), t.storage_offset() + start * x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,8 +281,8 @@ class _RunGeometry:
     def of(view: GatheredView) -> _RunGeometry:
         lead_dims = view.tensor.shape[:-1]
         dim, pdim = view.dim, view.piece_dim
-        if not (dim < len(lead_dims) and pdim < len(lead_dims)):  # not rows: runs_of takes the four views
-            return _RunGeometry(rows=-1, lead=0, stride=0, block_rows=0, piece_rows=0, piece_before_dim=False, between=0)
+        if not (dim < len(lead_dims) and pdim < len(lead_dims)):
+            return _NOT_ROWS
         inner_dim = math.prod(lead_dims[dim + 1 :])
         return _RunGeometry(
             rows=math.prod(lead_dims),
@@ -281,6 +293,10 @@ class _RunGeometry:
             piece_before_dim=pdim < dim,
             between=math.prod(lead_dims[pdim + 1 : dim]),
         )
+
+
+# A gather along its last dim: no runs of rows (``runs_of`` takes the four views).
+_NOT_ROWS = _RunGeometry(rows=-1, lead=0, stride=0, block_rows=0, piece_rows=0, piece_before_dim=False, between=0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -355,15 +371,11 @@ class GatheredView:
     def runs_of(self, t: torch.Tensor, src: int, rows: slice | None = None) -> torch.Tensor:
         """``rows_of`` as runs of contiguous rows, a view ``[runs, rows per run,
         X]``: along dim d > 0 one run per index of the dims before d."""
-        x = t.shape[-1]
+        # NB: the hot path (every row-wise step, each operand and piece): one
+        # view, not four (Note [Runs as one view]).
         runs = self._runs
         if runs is None:
             runs = self._runs = _RunGeometry.of(self)
-        if not t.is_contiguous() or t.numel() != runs.rows * x:  # NB: the reshape says what is wrong
-            block = self.block_of(t.reshape(*self.tensor.shape[:-1], x), src, rows)
-            return block.reshape(math.prod(block.shape[: self.dim]), -1, x)
-        # NB: the hot path (every row-wise step, each operand and piece): one
-        # view, not four (Note [Runs as one view]).
         if rows is None:
             count, length, start = runs.lead, runs.block_rows, src * runs.block_rows
         else:
@@ -372,7 +384,11 @@ class GatheredView:
                 count, length = (rows.stop - rows.start) * runs.between, runs.block_rows
             else:
                 count, length = runs.lead, (rows.stop - rows.start) * runs.piece_rows
-        return t.as_strided((count, length, x), (runs.stride * x, x, 1), t.storage_offset() + start * x)
+        found = rows_as_runs(t, runs.rows, count, length, runs.stride, start)
+        if found is not None:
+            return found
+        block = self.block_of(t.reshape(*self.tensor.shape[:-1], t.shape[-1]), src, rows)  # NB: says what is wrong
+        return block.reshape(math.prod(block.shape[: self.dim]), -1, t.shape[-1])
 
     def aligned(self, t: torch.Tensor) -> bool:
         """True if every shard row makes whole rows of ``t`` (a row view of this

@@ -23,7 +23,7 @@ from eagertp.backends.base import (
 )
 from eagertp.backends.reference import ReferenceBackend
 from eagertp.deferred import (
-    GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView, all_rows,
+    GatheredView, Operand, PendingGather, PendingMatmul, Product, RowSelect, ScatterView, all_rows, rows_as_runs,
 )
 from eagertp.trace import CollectiveRecord, Meta, Reason, Text
 
@@ -345,10 +345,10 @@ class ReduceScatterPlan:
 
             def runs_for(c: int) -> RowSelect:  # [runs, rows per run, X]: views, no copy
                 def runs_of(t: torch.Tensor) -> torch.Tensor:
-                    x = t.shape[-1]
-                    if t.is_contiguous() and t.numel() == total * x:  # NB: one view, not three
-                        return t.as_strided((runs, length, x), (stride * x, x, 1), t.storage_offset() + c * length * x)
-                    return t.reshape(*lead, x).narrow(sv.dim, c * block, block).reshape(runs, -1, x)
+                    found = rows_as_runs(t, total, runs, length, stride, c * length)  # NB: one view, not three
+                    if found is not None:
+                        return found
+                    return t.reshape(*lead, t.shape[-1]).narrow(sv.dim, c * block, block).reshape(runs, -1, t.shape[-1])
 
                 return runs_of
 
