@@ -549,6 +549,19 @@ class _Links:
 # of the shapes alone. A consumer of the result binds to the returned handle
 # as to any gather in flight; the reduced pieces were posted to be received at
 # the start.
+#
+# Note [Partial sums where the reduced rows land]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``P[peer]`` needs a buffer only while it is sent, and the peer's reduced rows
+# ``R[peer]`` need the peer's rows of ``out`` only once they arrive: one place
+# serves both. Piece j of ``R[peer]`` can only arrive after the peer received
+# all of piece j of ``P[peer]`` (it is that piece plus the peer's own partial),
+# so every byte of the send was read before the first byte of the receive is
+# written, whatever the transport (gloo and NCCL send and receive from the
+# tensor's own memory, and neither writes a receive buffer before its data
+# arrives). Nothing else reads those rows before ``R[peer]`` has landed: the
+# consumers wait for each reduced piece. The buffer this saves is one chunk of
+# every all-reduce in flight (benchmarks/results/memory_2cpu-gloo-loopback_2026-12-04_ffd4458.md).
 
 
 class _InterleavedAllReduce:
@@ -564,7 +577,7 @@ class _InterleavedAllReduce:
         own, peer = chunks[rank], chunks[self._peer]
         self._rows = rows = piece_rows(own, "all_reduce")
         combine = _COMBINE[reduce_op]
-        partial, sent = torch.empty_like(own), torch.empty_like(own)
+        partial = torch.empty_like(own)
         partial_pieces = pieces_of(partial, rows)
         self._peer_pieces = pieces_of(peer, rows)
         # NB: both receives posted first, in the order the peer sends: its
@@ -575,7 +588,10 @@ class _InterleavedAllReduce:
             links.what, group, on_cpu=out.device.type == "cpu",
         )
         self._sends = []
-        for r, piece in zip(rows, pieces_of(sent, rows)):
+        # This rank's partial sums of the peer's chunk are made and sent from
+        # the peer's rows of ``out``, where its reduced rows land later (Note
+        # [Partial sums where the reduced rows land]).
+        for r, piece in zip(rows, self._peer_pieces):
             producer(self._peer, piece, r)
             self._sends.append(links.isend(piece))
         for r, piece, got, recv in zip(rows, pieces_of(own, rows), partial_pieces, partials):
@@ -585,7 +601,6 @@ class _InterleavedAllReduce:
             if reduce_op == "avg":
                 piece.div_(2)
             self._sends.append(links.isend(piece))
-        self._sent = sent  # NB: the sends read it until they complete
 
     def wait_chunk(self, src: int) -> None:
         if src != self._rank and self._rows:
@@ -600,7 +615,6 @@ class _InterleavedAllReduce:
             if consumer is not None:
                 consumer(piece, self._peer, r)
         self.release_shard()
-        self._sent = None
 
     def release_shard(self) -> None:
         self._links.wait_sent(self._sends)  # NB: gloo's Work: waited for once
