@@ -442,6 +442,20 @@ def _render_step(name: str, operands: list, outputs: list, in_place: bool) -> st
     return f"{made} = {name}({args}) [row-wise]"
 
 
+# Note [Results over the rows, taken by autograd]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A result over the rows is mostly a parameter's gradient (a norm's weight and
+# bias, a bias's sum over the rows), which autograd's AccumulateGrad takes as
+# ``.grad`` when ``.grad`` is unset and nothing else holds the tensor; else it
+# allocates a new ``.grad`` and copies, and the copy reads the placeholder,
+# completing the gather there and then. The step holding the placeholder
+# made it too shared to take: 8 of the 12 AccumulateGrad calls of a plain-TP
+# demo block copied. So the program gets an alias (``detach()``, its own
+# tensor on the same storage): autograd takes it, the step fills the storage
+# when the gather completes, and every read of ``.grad`` still finds the
+# pending work by its storage (``PendingStore.owner``).
+
+
 @dataclasses.dataclass(eq=False)
 class WholeStep:
     """An op's results that reduce over a gather's rows (a norm's weight
@@ -696,7 +710,9 @@ def defer(
         ]
         for i, out in enumerate(outputs):
             if out is not None:
-                results[i] = out
+                # NB: the program gets an alias, the step keeps the placeholder:
+                # Note [Results over the rows, taken by autograd].
+                results[i] = out.detach()
         whole_args = tuple(
             _snapshot(a) if isinstance(a, torch.Tensor) and store.owner(a) is None and leading_ones(a) else a
             for a in whole_args
