@@ -447,13 +447,13 @@ def _render_step(name: str, operands: list, outputs: list, in_place: bool) -> st
 # A result over the rows is mostly a parameter's gradient (a norm's weight and
 # bias, a bias's sum over the rows), which autograd's AccumulateGrad takes as
 # ``.grad`` when ``.grad`` is unset and nothing else holds the tensor; else it
-# allocates a new ``.grad`` and copies, and the copy reads the placeholder,
-# completing the gather there and then. The step holding the placeholder
-# made it too shared to take: 8 of the 12 AccumulateGrad calls of a plain-TP
-# demo block copied. So the program gets an alias (``detach()``, its own
-# tensor on the same storage): autograd takes it, the step fills the storage
-# when the gather completes, and every read of ``.grad`` still finds the
-# pending work by its storage (``PendingStore.owner``).
+# allocates a new ``.grad`` and copies (a row-wise ``copy_`` deferred with the
+# gather). The step holding the placeholder made it too shared to take: a
+# plain-TP demo block copied every norm's gradients, every step
+# (benchmarks/NOTES.md, 2026-12-04 at ec3a99e). So the program gets an alias
+# (``detach()``, its own tensor on the same storage): autograd takes it, the
+# step fills the storage when the gather completes, and every read of
+# ``.grad`` still finds the pending work by its storage (``PendingStore.owner``).
 
 
 @dataclasses.dataclass(eq=False)
