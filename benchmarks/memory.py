@@ -93,14 +93,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     ]
     results = []
     for name, fn, chunk in cases:
-        fn()  # warm-up (allocator, caches)
-        with EagerMicroPipeline(min_fuse_bytes=0):
-            fn()
-        unfused = peak_bytes(fn)
-
         # NB: every collective fused whatever its size (at these sizes the
         # default rule fuses none of the step's).
         pipe = EagerMicroPipeline(min_fuse_bytes=0)
+        fn()  # warm-up (allocator, caches)
+        with pipe:
+            fn()
+        unfused = peak_bytes(fn)
 
         def fused(fn=fn):
             with pipe:

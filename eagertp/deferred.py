@@ -296,7 +296,7 @@ class _RunGeometry:
 
 
 # A gather along its last dim: no runs of rows (``runs_of`` takes the four views).
-_NOT_ROWS = _RunGeometry(rows=-1, lead=0, stride=0, block_rows=0, piece_rows=0, piece_before_dim=False, between=0)
+_NOT_ROWS = _RunGeometry(rows=0, lead=0, stride=0, block_rows=0, piece_rows=0, piece_before_dim=False, between=0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -376,17 +376,18 @@ class GatheredView:
         runs = self._runs
         if runs is None:
             runs = self._runs = _RunGeometry.of(self)
-        if rows is None:
-            count, length, start = runs.lead, runs.block_rows, src * runs.block_rows
-        else:
-            start = src * runs.block_rows + rows.start * runs.piece_rows
-            if runs.piece_before_dim:
-                count, length = (rows.stop - rows.start) * runs.between, runs.block_rows
+        if runs is not _NOT_ROWS:
+            if rows is None:
+                count, length, start = runs.lead, runs.block_rows, src * runs.block_rows
             else:
-                count, length = runs.lead, (rows.stop - rows.start) * runs.piece_rows
-        found = rows_as_runs(t, runs.rows, count, length, runs.stride, start)
-        if found is not None:
-            return found
+                start = src * runs.block_rows + rows.start * runs.piece_rows
+                if runs.piece_before_dim:
+                    count, length = (rows.stop - rows.start) * runs.between, runs.block_rows
+                else:
+                    count, length = runs.lead, (rows.stop - rows.start) * runs.piece_rows
+            found = rows_as_runs(t, runs.rows, count, length, runs.stride, start)
+            if found is not None:
+                return found
         block = self.block_of(t.reshape(*self.tensor.shape[:-1], t.shape[-1]), src, rows)  # NB: says what is wrong
         return block.reshape(math.prod(block.shape[: self.dim]), -1, t.shape[-1])
 

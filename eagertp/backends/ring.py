@@ -561,7 +561,7 @@ class _Links:
 # tensor's own memory, and neither writes a receive buffer before its data
 # arrives). Nothing else reads those rows before ``R[peer]`` has landed: the
 # consumers wait for each reduced piece. The buffer this saves is one chunk of
-# every all-reduce in flight (benchmarks/results/memory_2cpu-gloo-loopback_2026-12-04_ffd4458.md).
+# every all-reduce in flight (benchmarks/results/memory_2cpu-gloo-loopback_2026-12-04_d848e84.md).
 
 
 class _InterleavedAllReduce:
