@@ -270,6 +270,53 @@ WHOLE_RULES = {op._op: rule for op, rule in WHOLE_TABLE.items()}
 ANY_RULE = frozenset(RULES) | frozenset(WHOLE_RULES) | {aten.copy_.default._op}
 
 
+# Note [Row results written in place]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A step's results go into rows of its derived placeholders, piece by piece.
+# Made by the op and then copied there, each piece costs an allocation and a
+# copy: one more op, and one more kernel on a GPU, per op and piece. The op's
+# out= overload writes the rows where they belong instead, with the same
+# kernel on the same operands: the same bits (``tests/test_rowwise.py``
+# compares every entry of the table, run as steps, bitwise with the whole
+# op). Only where every result is rows of a placeholder: ``native_layer_norm_
+# backward``'s split call leaves its weight and bias gradients to the whole
+# step; in-place ops write their target already; ops on aligned windows copy
+# out a window's middle (Note [Aligned windows]); ``_to_copy``'s out overload
+# takes no dtype.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutVariant:
+    """An op's ``out=`` overload: the same arguments, then one buffer per result."""
+
+    func: torch._ops.OpOverload
+    names: tuple[str, ...]  # its buffers' keywords, in the order of the results
+
+
+def out_variant(func: torch._ops.OpOverload) -> OutVariant | None:
+    """The overload of ``func``'s packet that takes its arguments (names and
+    types alike) and writes each of its results into a keyword buffer
+    (``add.Tensor`` -> ``add.out``, ``native_layer_norm`` -> its ``out0..2``),
+    or None (``_to_copy``'s out overload takes no dtype: no such overload)."""
+    arguments = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        schema = getattr(packet, name)._schema
+        names = tuple(a.name for a in schema.arguments if a.is_out)
+        if (
+            len(names) == len(func._schema.returns)
+            and names
+            and [(a.name, str(a.type)) for a in schema.arguments if not a.is_out] == arguments
+        ):
+            return OutVariant(getattr(packet, name), names)
+    return None
+
+
+# Note [Row results written in place]: each row-wise op's out= overload, keyed
+# as RULES is (in-place ops write their target already: they have none).
+OUT_VARIANTS = {op._op: found for op in ROW_TABLE if (found := out_variant(op)) is not None}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArgTemplate:
     """An op's arguments with each tensor (top level only: the table's ops
@@ -312,6 +359,19 @@ class ArgTemplate:
                 kwargs[name] = values[i]
         return as_results(func._op(*args, **kwargs))
 
+    def call_into(self, out: OutVariant, values: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+        """``call`` through ``out``, the op's out= overload, writing its
+        results into ``buffers`` (each of a result's shape and dtype)."""
+        args = list(self.args)
+        for pos, i in self.arg_slots:
+            args[pos] = values[i]
+        kwargs = dict(self.kwargs)
+        for name, i in self.kwarg_slots:
+            kwargs[name] = values[i]
+        for name, buffer in zip(out.names, buffers):
+            kwargs[name] = buffer
+        out.func._op(*args, **kwargs)
+
 
 def as_results(out: Any) -> list[torch.Tensor | None]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
@@ -332,6 +392,9 @@ class RowwiseStep:
     tid: int
     in_place: bool = False
     windowed: bool = False  # a unary op run on aligned windows of its input (Note [Aligned windows])
+    # Where every result is rows: the op's out= overload, which writes them in
+    # place (Note [Row results written in place]).
+    out: OutVariant | None = None
 
     @property
     def name(self) -> str:
@@ -353,6 +416,7 @@ class RowwiseStep:
                 )
             return
         values = []
+        rows_read = None
         for op in self.operands:
             kind = op.kind
             if kind is Kind.WHOLE:
@@ -365,6 +429,14 @@ class RowwiseStep:
                         op.other.handle.wait_chunk(src)
                     rows_read = geometry.runs_of(op.tensor, src, rows)
                 values.append(rows_read if op.width is None else op.expanded(rows_read))  # NB: no frame, mostly
+        out = self.out
+        if out is not None:
+            buffers = [geometry.runs_of(view.tensor, src, rows) for view in self.outputs]
+            # NB: the results' rows are the operands' (a buffer of another
+            # shape would be resized, not written).
+            if buffers[0].shape[:-1] == rows_read.shape[:-1]:
+                self.template.call_into(out, values, buffers)
+                return
         results = self.template.call(self.func, values)
         for view, result in zip(self.outputs, results):
             if view is not None:
@@ -698,9 +770,10 @@ def defer(
     made = [v for v in views if v is not None]
     step = None
     if row_args is not None and (rule.in_place or made):
+        every_result_rows = not rule.in_place and not windowed and None not in views
         step = RowwiseStep(
             func, template, operands, views, geometry, store.next_tid(),
-            in_place=rule.in_place, windowed=windowed,
+            in_place=rule.in_place, windowed=windowed, out=OUT_VARIANTS.get(func._op) if every_result_rows else None,
         )
     whole = None
     if whole_args is not None:

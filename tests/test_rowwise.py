@@ -24,7 +24,7 @@ from helpers import OpCounter, all_gather, all_reduce, integer_tensor, random_te
 from symm_mem_emulation import BOTH_BACKENDS, run_on
 
 from eagertp import EagerMicroPipeline
-from eagertp.rowwise import GRAIN_SIZE, ROW_TABLE, WHOLE_TABLE, in_window
+from eagertp.rowwise import GRAIN_SIZE, OUT_VARIANTS, ROW_TABLE, WHOLE_TABLE, in_window
 
 aten = torch.ops.aten
 
@@ -291,6 +291,8 @@ def _chain_worker(rank, group, case, verify):
         return [y, *outs]
 
     expected = run()
+    with EagerMicroPipeline():  # NB: caches the steps' result shapes, so that the
+        run()  # counted run calls no op on meta tensors (eagertp.rowwise._meta_results)
     with OpCounter() as counter, EagerMicroPipeline(verify=verify) as pipe:
         got = run()
     return {
@@ -300,7 +302,34 @@ def _chain_worker(rank, group, case, verify):
         "ops": len(ops),
         "plain_all_reduces": counter.counts["_c10d_functional.all_reduce.default"],
         "explain": pipe.explain(),
+        "op_counts": dict(counter.counts),
     }
+
+
+# The ops of each case that no step runs writing its own rows: those run on
+# aligned windows (Note [Aligned windows]: a window's middle is copied out)
+# and reductions over the rows (computed whole).
+_NOT_ROW_RESULTS = {
+    "power_of_2_scales": {"log2.default", "exp2.default"},
+    "transcendentals": {"exp.default", "tanh.default", "sigmoid.default", "silu.default", "erf.default", "log.default"},
+    "pow_3_5": {"pow.Tensor_Scalar"},
+    "rsqrt_bf16": {"rsqrt.default"},
+    "sum_over_rows": {"sum.dim_IntList"},
+}
+
+
+def _written_in_place(case: str) -> dict[str, str]:
+    """The case's ops whose steps write their rows through their out=
+    overload (Note [Row results written in place] in eagertp/rowwise.py):
+    op name -> its out overload's name."""
+    found = {}
+    for name in CASES[case][1]:
+        packet, overload = name.split(".")
+        out = OUT_VARIANTS.get(getattr(getattr(aten, packet), overload)._op)
+        # native_layer_norm_backward leaves its weight and bias gradients to the whole step.
+        if out is not None and name not in _NOT_ROW_RESULTS.get(case, ()) and packet != "native_layer_norm_backward":
+            found[name] = str(out.func)
+    return found
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -313,6 +342,10 @@ def test_each_case_runs_row_by_row_on_the_gather_half(pool, case):
         assert r["stats"]["matmul_all_reduce"] == 1 and r["stats"]["all_gather_matmul"] == 1, r
         assert r["plain_all_reduces"] == 0, r
         assert "(row by row)" in r["explain"] and ") -> mm" in r["explain"], r["explain"]
+        # Each row result was written in place, on every piece: the op ran
+        # through its out= overload only (once per chunk at least).
+        for name, out in _written_in_place(case).items():
+            assert r["op_counts"].get(f"aten.{name}", 0) == 0 and r["op_counts"].get(out, 0) >= 2, f"{name}: {r['op_counts']}"
 
 
 @pytest.mark.parametrize("world", [2, 4])
