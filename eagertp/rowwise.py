@@ -276,13 +276,14 @@ ANY_RULE = frozenset(RULES) | frozenset(WHOLE_RULES) | {aten.copy_.default._op}
 # Made by the op and then copied there, each piece costs an allocation and a
 # copy: one more op, and one more kernel on a GPU, per op and piece. The op's
 # out= overload writes the rows where they belong instead, with the same
-# kernel on the same operands: the same bits (``tests/test_rowwise.py``
-# compares every entry of the table, run as steps, bitwise with the whole
-# op). Only where every result is rows of a placeholder: ``native_layer_norm_
-# backward``'s split call leaves its weight and bias gradients to the whole
-# step; in-place ops write their target already; ops on aligned windows copy
-# out a window's middle (Note [Aligned windows]); ``_to_copy``'s out overload
-# takes no dtype.
+# kernel on the same operands: the same bits, into rows with gaps between
+# them too (``test_out_overloads_into_strided_rows_give_the_same_bits``, on
+# random inputs; the chain tests run every case as steps against plain
+# eager). Only where every result is rows of a placeholder:
+# ``native_layer_norm_backward``'s split call leaves its weight and bias
+# gradients to the whole step; in-place ops write their target already; ops
+# on aligned windows copy out a window's middle (Note [Aligned windows]);
+# ``_to_copy``'s out overload takes no dtype.
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -348,29 +349,29 @@ class ArgTemplate:
 
     def call(self, func: torch._ops.OpOverload, values: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """``func`` on these arguments with ``values`` for their tensors: its results, as a list."""
-        # NB: on the hot path (every step, every piece): loops, no frames per argument.
-        args = list(self.args)
-        for pos, i in self.arg_slots:
-            args[pos] = values[i]
-        kwargs = self.kwargs
-        if self.kwarg_slots:
-            kwargs = dict(kwargs)
-            for name, i in self.kwarg_slots:
-                kwargs[name] = values[i]
-        return as_results(func._op(*args, **kwargs))
+        kwargs = dict(self.kwargs) if self.kwarg_slots else self.kwargs
+        return as_results(func._op(*self._filled(values, kwargs), **kwargs))
 
     def call_into(self, out: OutVariant, values: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
         """``call`` through ``out``, the op's out= overload, writing its
         results into ``buffers`` (each of a result's shape and dtype)."""
-        args = list(self.args)
-        for pos, i in self.arg_slots:
-            args[pos] = values[i]
         kwargs = dict(self.kwargs)
-        for name, i in self.kwarg_slots:
-            kwargs[name] = values[i]
+        args = self._filled(values, kwargs)
         for name, buffer in zip(out.names, buffers):
             kwargs[name] = buffer
         out.func._op(*args, **kwargs)
+
+    def _filled(self, values: Sequence[torch.Tensor], kwargs: dict) -> list:
+        """The positional arguments with ``values`` in their tensors' places;
+        the keyword ones written into ``kwargs`` (a copy of ``self.kwargs``
+        where there are any)."""
+        # NB: on the hot path (every step, every piece): loops, no frames per argument.
+        args = list(self.args)
+        for pos, i in self.arg_slots:
+            args[pos] = values[i]
+        for name, i in self.kwarg_slots:
+            kwargs[name] = values[i]
+        return args
 
 
 def as_results(out: Any) -> list[torch.Tensor | None]:

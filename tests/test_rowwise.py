@@ -20,6 +20,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import OpCounter, all_gather, all_reduce, integer_tensor, random_tensor, reduce_scatter
 from symm_mem_emulation import BOTH_BACKENDS, run_on
 
@@ -189,6 +190,48 @@ def test_the_table_promise_rows_anywhere_give_the_same_bits(case):
             if want.dim() == 3:  # rows: the parts, concatenated
                 got = torch.cat([p[i] for p in parts], 1)
                 assert torch.equal(got, want), (case, dtype, rows, d, cut, i)
+
+
+class _IntoStridedRows(TorchDispatchMode):
+    """Runs each op of the table that has an out= overload through it too,
+    into the rows of buffers with a gap after every row, as a step writes a
+    piece's rows of its placeholders (Note [Row results written in place]),
+    and records each result whose bits differ from the op's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written, self.differ = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        results = func(*args, **kwargs)
+        out = OUT_VARIANTS.get(func._op)
+        if out is not None:
+            want = _as_list(results)
+            buffers = [  # [..., X] rows of [..., X + 3]
+                torch.full((*r.shape[:-1], r.shape[-1] + 3), float("nan"), dtype=r.dtype)[..., : r.shape[-1]]
+                for r in want
+            ]
+            out.func(*args, **kwargs, **dict(zip(out.names, buffers)))
+            self.written += 1
+            self.differ += [str(func) for got, r in zip(buffers, want) if not torch.equal(got, r)]
+        return results
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - WINDOWED))
+def test_out_overloads_into_strided_rows_give_the_same_bits(case):
+    """Each op of each case, run through its out= overload into rows that are
+    not contiguous, gives the op's own result bitwise, on random shapes and
+    dtypes: what lets a step write its rows in place."""
+    program, _ = CASES[case]
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+    for dtype, trial in itertools.product((torch.float32, torch.bfloat16, torch.float16), range(2)):
+        rows, d = int(torch.randint(2, 40, (1,), generator=gen)), int(torch.randint(1, 70, (1,), generator=gen))
+        g, x, w, r = _operands(dtype, (2, rows, d), seed=trial)
+        with _IntoStridedRows() as mode:
+            program(g, x, w, r)
+        assert mode.differ == [], (case, dtype, rows, d, mode.differ)
+        assert mode.written > 0 or not _written_in_place(case), case
 
 
 # Every op the table runs on aligned windows (Note [Aligned windows]).
