@@ -203,10 +203,10 @@ if TYPE_CHECKING:
     from eagertp.rowwise import RowwiseStep, WholeStep
 
 
-def storage_key(t: torch.Tensor) -> int:
-    # NB: the hot paths (the store's maps, an op's first pending tensor) spell
-    # it out, ``t.untyped_storage()._cdata``: a frame less per tensor.
-    return t.untyped_storage()._cdata
+# The identity of a tensor's storage (its StorageImpl's address, as
+# ``t.untyped_storage()._cdata``), from C: no Python frame and no storage
+# object per call (the store's maps ask it about 1,200 times a plain-TP step).
+storage_key: Callable[[torch.Tensor], int] = torch._C._storage_id
 
 
 class Operand(enum.Enum):
@@ -858,6 +858,8 @@ def _held_by_item_only(t: torch.Tensor, *, attributes: int = 1, storage_users: i
 def storage_uses(t: torch.Tensor) -> int:
     """Tensors (and storage objects) on ``t``'s storage, counting the Python
     storage object this call makes."""
+    # NB: through a Python storage object, which the storage keeps once made:
+    # the count includes exactly one, whichever call made it.
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
@@ -898,7 +900,7 @@ def orphaned_storages(items: Iterable[Pending], among: set[int]) -> set[int]:
     for mm in _matmul_leaves(items):
         for t in (mm.a, mm.b, mm.bias):
             # NB: only the tensors on those storages: the others' counts decide nothing.
-            if t is not None and t.untyped_storage()._cdata in among:
+            if t is not None and storage_key(t) in among:
                 tensors[id(t)] = t
                 uses[id(t)] = uses.get(id(t), 0) + 1
     if not tensors:
@@ -907,7 +909,7 @@ def orphaned_storages(items: Iterable[Pending], among: set[int]) -> set[int]:
     per_storage: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
     for key, t in tensors.items():
         held = refs[key] == _REFS_BASE + uses[key] and t._use_count() == 1 and not weakref.getweakrefcount(t)
-        per_storage[t.untyped_storage()._cdata].append(t if held else None)
+        per_storage[storage_key(t)].append(t if held else None)
     orphans: set[int] = set()
     for key, held in per_storage.items():
         if any(t is None for t in held):
@@ -978,7 +980,7 @@ class PendingGather:
         """True if the shard is rows of ``out`` itself (an all-reduce's gather
         half, a product made in this rank's chunk), not a tensor of the
         program's: nothing can write it before the gather completes."""
-        return self.shard.untyped_storage()._cdata == self.out.untyped_storage()._cdata
+        return storage_key(self.shard) == storage_key(self.out)
 
     def consumer_writing(self, t: torch.Tensor) -> PendingMatmul | None:
         """The consumer whose output placeholder ``t`` views, if any."""
@@ -986,9 +988,9 @@ class PendingGather:
         return next((mm for mm in self.consumers if storage_key(mm.out) == key), None)
 
     def view_of(self, t: torch.Tensor) -> GatheredView | None:
-        key = t.untyped_storage()._cdata  # NB: storage_key, spelled out
+        key = storage_key(t)
         for v in self.views:  # NB: a loop: every matmul on a gather asks
-            if v.tensor.untyped_storage()._cdata == key:
+            if storage_key(v.tensor) == key:
                 return v
         return None
 
@@ -1064,7 +1066,7 @@ class PendingStore:
         return self.last_tid
 
     def add_gather(self, gather: PendingGather) -> None:
-        key = gather.out.untyped_storage()._cdata
+        key = storage_key(gather.out)
         # NB: a gather into the program's own buffer: what filled it before
         # completed first (Note [Every write is seen] in eagertp.engine).
         assert key not in self._owner, f"all_gather ${gather.tid} into a buffer ${self._owner[key].tid} still fills"
@@ -1075,7 +1077,7 @@ class PendingStore:
 
     def add_gathered_view(self, gather: PendingGather, view: GatheredView) -> None:
         gather.views.append(view)
-        self._owner[view.tensor.untyped_storage()._cdata] = gather  # NB: storage_key, spelled out
+        self._owner[storage_key(view.tensor)] = gather
 
     def add_scatter_view(self, product: Product, view: ScatterView) -> None:
         product.scatter_views.append(view)
@@ -1086,7 +1088,7 @@ class PendingStore:
         # NB: on the hot path (every deferred matmul): plain loops, no generators.
         self.items.append(product)
         owner = self._owner
-        owner[product.out.untyped_storage()._cdata] = product
+        owner[storage_key(product.out)] = product
         for sv in product.scatter_views:
             owner[storage_key(sv.tensor)] = product
         self._read(product.inputs())
@@ -1126,7 +1128,7 @@ class PendingStore:
 
     def add_consumer(self, gather: PendingGather, mm: PendingMatmul) -> None:
         gather.consumers.append(mm)
-        self._owner[mm.out.untyped_storage()._cdata] = gather
+        self._owner[storage_key(mm.out)] = gather
         self._read(mm.inputs())
 
     def remove(self, item: Pending) -> None:
@@ -1139,7 +1141,7 @@ class PendingStore:
             if not item.shard_in_out():
                 self.stop_sending(item)
         else:  # NB: the hot path: every product read, or taken by its collective
-            del owner[item.out.untyped_storage()._cdata]
+            del owner[storage_key(item.out)]
             for sv in item.scatter_views:
                 del owner[storage_key(sv.tensor)]
         self._release(item.inputs())
@@ -1148,14 +1150,14 @@ class PendingStore:
         """Pending work reads ``tensors`` (once more each)."""
         inputs = self._inputs
         for t in tensors:
-            key = t.untyped_storage()._cdata
+            key = storage_key(t)
             inputs[key] = inputs.get(key, 0) + 1
 
     def _release(self, tensors: Iterable[torch.Tensor]) -> None:
         """Pending work reads ``tensors`` no more."""
         inputs = self._inputs
         for t in tensors:
-            key = t.untyped_storage()._cdata
+            key = storage_key(t)
             n = inputs[key] - 1
             if n:
                 inputs[key] = n
@@ -1172,7 +1174,7 @@ class PendingStore:
         return found
 
     def owner(self, t: torch.Tensor) -> Pending | None:
-        return self._owner.get(t.untyped_storage()._cdata)  # NB: storage_key, spelled out
+        return self._owner.get(storage_key(t))
 
     def sending_from(self, t: torch.Tensor) -> list[PendingGather]:
         """The gathers in flight that may still send from ``t``'s storage."""
@@ -1192,7 +1194,7 @@ class PendingStore:
         # NB: on the hot path (every read of pending work): loops, usually of one.
         owner, found = self._owner, []
         for t in tensors:
-            item = owner.get(t.untyped_storage()._cdata)
+            item = owner.get(storage_key(t))
             if item is not None and item not in found:  # NB: eq=False items: identity
                 found.append(item)
         if len(found) > 1:
@@ -1201,7 +1203,7 @@ class PendingStore:
 
     def gathered_view_of(self, t: torch.Tensor) -> tuple[PendingGather, GatheredView] | None:
         """The pending gather and its view that ``t`` views, if any."""
-        item = self._owner.get(t.untyped_storage()._cdata)
+        item = self._owner.get(storage_key(t))
         if isinstance(item, PendingGather):
             view = item.view_of(t)
             if view is not None:
@@ -1211,12 +1213,12 @@ class PendingStore:
     def standalone_output(self, t: torch.Tensor) -> tuple[Product, ScatterView | None] | None:
         """The standalone pending product whose whole output (or whole scatter
         view) ``t`` is, if any."""
-        key = t.untyped_storage()._cdata
+        key = storage_key(t)
         product = self._owner.get(key)
         if isinstance(product, PendingGather) or product is None or not t.is_contiguous():
             return None
         whole = product.out
-        if whole.untyped_storage()._cdata == key:  # NB: the hot path (a product's own output)
+        if storage_key(whole) == key:  # NB: the hot path (a product's own output)
             return (product, None) if _same_extent(t, whole) else None
         for sv in product.scatter_views:
             if storage_key(sv.tensor) == key and _same_extent(t, sv.tensor):
@@ -1225,7 +1227,7 @@ class PendingStore:
 
     def tid_of(self, t: torch.Tensor) -> int:
         """The trace id of the placeholder ``t`` views."""
-        key = t.untyped_storage()._cdata
+        key = storage_key(t)
         item = self._owner[key]
         if not isinstance(item, PendingGather):
             return item.tid  # its output and its scatter views share its id
@@ -1233,7 +1235,7 @@ class PendingStore:
         if view is not None:
             return view.tid
         for mm in item.consumers:
-            if mm.out.untyped_storage()._cdata == key:  # NB: storage_key, spelled out
+            if storage_key(mm.out) == key:
                 return mm.tid
         return next(w.tid for w in item.wholes for p in w.placeholders() if storage_key(p) == key)
 
@@ -1241,17 +1243,17 @@ class PendingStore:
         """The first of ``tensors`` that is pending, if any."""
         owner = self._owner
         for t in tensors:  # NB: on the hot path: a loop, not a generator
-            if t.untyped_storage()._cdata in owner:
+            if storage_key(t) in owner:
                 return t
         return None
 
     def readers(self, tensors: Iterable[torch.Tensor]) -> list[Pending]:
         """The pending items whose work reads the storage of any of ``tensors``
         (a gather's: its consumers'), in record order."""
-        # NB: a loop (storage_key spelled out): every write while work is pending.
+        # NB: a loop: every write while work is pending.
         inputs, keys = self._inputs, set()
         for t in tensors:
-            key = t.untyped_storage()._cdata
+            key = storage_key(t)
             if key in inputs:
                 keys.add(key)
         if not keys:

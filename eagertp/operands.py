@@ -132,12 +132,12 @@ def same_views(tensors: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]
     offsets, shapes and strides."""
     if len(tensors) != len(expected):
         return False
-    for t, e in zip(tensors, expected):  # NB: a loop, storage_key spelled out: every cat of pending work
+    for t, e in zip(tensors, expected):  # NB: a loop: every cat of pending work
         if (
             t.shape != e.shape
             or t.stride() != e.stride()
             or t.storage_offset() != e.storage_offset()
-            or t.untyped_storage()._cdata != e.untyped_storage()._cdata
+            or storage_key(t) != storage_key(e)
         ):
             return False
     return True
