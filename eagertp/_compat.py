@@ -11,6 +11,7 @@ import os
 import sys
 from typing import NoReturn
 
+import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
@@ -23,6 +24,9 @@ funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol
 # torch lacks it, every op counts as one and takes the wrapper's own path
 # (Note [Pending async tensors] in eagertp.mode).
 funcol_is_view_op = getattr(funcol, "_is_view_op", lambda func: True)
+# The address of a tensor's StorageImpl, from C (no Python storage object); a
+# torch without it reads the same address off the storage object.
+storage_id = getattr(torch._C, "_storage_id", None) or (lambda t: t.untyped_storage()._cdata)
 
 
 def exit_spawned_rank(code: int) -> NoReturn:

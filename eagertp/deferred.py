@@ -195,6 +195,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from eagertp._compat import storage_id
 from eagertp._format import dtype_str, tensor_str
 from eagertp.backends.base import GatherHandle, piece_dim
 from eagertp.trace import CollectiveRecord, Event, Lazy, Meta, Text
@@ -206,7 +207,7 @@ if TYPE_CHECKING:
 # The identity of a tensor's storage (its StorageImpl's address, as
 # ``t.untyped_storage()._cdata``), from C: no Python frame and no storage
 # object per call (the store's maps ask it about 1,200 times a plain-TP step).
-storage_key: Callable[[torch.Tensor], int] = torch._C._storage_id
+storage_key: Callable[[torch.Tensor], int] = storage_id
 
 
 class Operand(enum.Enum):
