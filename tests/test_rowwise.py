@@ -350,9 +350,12 @@ def _chain_worker(rank, group, case, verify):
 
 
 # The ops of each case that no step runs writing its own rows: those run on
-# aligned windows (Note [Aligned windows]: a window's middle is copied out)
-# and reductions over the rows (computed whole).
+# aligned windows (Note [Aligned windows]: a window's middle is copied out),
+# reductions over the rows (computed whole), and a call split between the two
+# (native_layer_norm_backward leaves its weight and bias gradients to the
+# whole step).
 _NOT_ROW_RESULTS = {
+    "layer_norm_backward": {"native_layer_norm_backward.default"},
     "power_of_2_scales": {"log2.default", "exp2.default"},
     "transcendentals": {"exp.default", "tanh.default", "sigmoid.default", "silu.default", "erf.default", "log.default"},
     "pow_3_5": {"pow.Tensor_Scalar"},
@@ -369,8 +372,7 @@ def _written_in_place(case: str) -> dict[str, str]:
     for name in CASES[case][1]:
         packet, overload = name.split(".")
         out = OUT_VARIANTS.get(getattr(getattr(aten, packet), overload)._op)
-        # native_layer_norm_backward leaves its weight and bias gradients to the whole step.
-        if out is not None and name not in _NOT_ROW_RESULTS.get(case, ()) and packet != "native_layer_norm_backward":
+        if out is not None and name not in _NOT_ROW_RESULTS.get(case, ()):
             found[name] = str(out.func)
     return found
 
