@@ -258,7 +258,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             # Unfused only by the size rule, or a product gathered in one piece
             # (a pattern that failed to match is a bug here).
             path = "fused" if fused else "size rule" if "size rule" in pipe.explain() else "one piece"
-            assert path != "one piece" or "travels in one piece" in pipe.debug_string(), (
+            assert path != "one piece" or "travels in one piece" in pipe.explain(), (
                 f"{op} did not run fused: {pipe.explain()}"
             )
             results.append(

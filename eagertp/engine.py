@@ -83,6 +83,7 @@ class Engine:
         poison: bool,
         min_fuse_bytes: int | Mapping[str, int] | None,
         max_records: int,
+        trace: bool,
     ) -> None:
         self.group = group
         self.verify = verify
@@ -90,7 +91,8 @@ class Engine:
         self.stats: collections.Counter[str] = collections.Counter()
         self.backend = BackendChoice(backend, min_fuse_bytes)
         self.max_records = max_records
-        self.trace = Trace(max_records=max_records)
+        self.records_events = trace
+        self.trace = Trace(max_records=max_records, events=trace)
         self.store = PendingStore()
         # The dispatch mode while the block is active (composite ops re-enter it).
         self.mode: Any = None
@@ -110,7 +112,7 @@ class Engine:
 
     def reset(self) -> None:
         self.stats.clear()
-        self.trace = Trace(max_records=self.max_records)
+        self.trace = Trace(max_records=self.max_records, events=self.records_events)
         self.store.reset()
         self.matmul_work = 0
         self._deferral_bytes.clear()
@@ -575,7 +577,8 @@ class Engine:
                 gather.record.then_fused_with = plan.fused_with()
             elif gather.read_by:  # its rows read chunk by chunk by another gather's steps
                 gather.record.then_fused_with = [step.describe() for step in gather.read_by]
-            self.trace.event(*plan.trace_event(gather.backend))
+            if self.trace.recording:
+                self.trace.event(*plan.trace_event(gather.backend))
             return
         if gather.scale_of:
             self.stats["fused_scale_gathers"] += 1
@@ -592,7 +595,8 @@ class Engine:
             self.stats["unfused_all_gather"] += 1
             why = Reason("no matmul consumed it before {}, and none ran while it was in flight", reason)
             self.trace.mark_unfused(gather.record, _and_made_first(why, gather), gather.backend)
-        self.trace.event(*plan.trace_event(gather.backend))
+        if self.trace.recording:
+            self.trace.event(*plan.trace_event(gather.backend))
 
     # -- all-gather --------------------------------------------------------
 
@@ -816,7 +820,8 @@ class Engine:
             self.store.add_consumer(gather, mm)
         if scale_gather is not None:
             scale_gather.scale_of.append(mm)
-        self.trace.events.append(mm.trace_event())  # NB: what Trace.event records, one frame shorter
+        if self.trace.recording:  # Note [The ordered trace when asked] in eagertp.trace
+            self.trace.events.append(mm.trace_event())  # NB: what Trace.event records, one frame shorter
         return mm.out
 
     def defer_cast(self, gather: PendingGather, source: GatheredView, dtype: torch.dtype) -> torch.Tensor:
@@ -825,7 +830,8 @@ class Engine:
             self.store.next_tid(), cast=True,
         )
         self.store.add_gathered_view(gather, view)
-        self.trace.event("${}: {} = ${}.to({})", view.tid, Meta.of(view.tensor), source.tid, dtype_str(dtype))
+        if self.trace.recording:
+            self.trace.event("${}: {} = ${}.to({})", view.tid, Meta.of(view.tensor), source.tid, dtype_str(dtype))
         return view.tensor
 
     def defer_product_cast(self, source: Product, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -834,7 +840,8 @@ class Engine:
         cast = PendingCast(source, self.placeholder(source.out, source.out.shape, dtype), self.store.next_tid())
         source.absorbed = True
         self.store.add_product(cast)
-        self.trace.event("${}: {} = ${}.to({})", cast.tid, Meta.of(cast.out), source.tid, dtype_str(dtype))
+        if self.trace.recording:
+            self.trace.event("${}: {} = ${}.to({})", cast.tid, Meta.of(cast.out), source.tid, dtype_str(dtype))
         return cast.out.view(t.shape)
 
     def defer_pointwise(
@@ -847,8 +854,9 @@ class Engine:
         pointwise = PendingPointwise(source, out, self.store.next_tid(), op=op, operand=operand)
         source.absorbed = True
         self.store.add_product(pointwise)
-        self.trace.event("${}: {} = ${} {} {}", pointwise.tid, Meta.of(out), source.tid,
-                         "*" if op is torch.mul else "+", operand_str(operand))
+        if self.trace.recording:
+            self.trace.event("${}: {} = ${} {} {}", pointwise.tid, Meta.of(out), source.tid,
+                             "*" if op is torch.mul else "+", operand_str(operand))
         return out
 
     def defer_chunk_cat(self, tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
@@ -882,7 +890,8 @@ class Engine:
             shape[dim] *= world
             view = GatheredView(self.placeholder(owner.shard, shape), dim, world, self.store.next_tid())
             self.store.add_gathered_view(owner, view)
-            self.trace.event("${}: {} = cat(${}.chunk({}), {})", view.tid, Meta.of(view.tensor), owner.tid, world, dim)
+            if self.trace.recording:
+                self.trace.event("${}: {} = cat(${}.chunk({}), {})", view.tid, Meta.of(view.tensor), owner.tid, world, dim)
             return view.tensor
         if dim != 0:
             return None
@@ -896,9 +905,10 @@ class Engine:
                 cat_shape = (world * tensors[0].shape[0], *tensors[0].shape[1:])
                 sv = ScatterView(self.placeholder(mm.out, cat_shape), torch.Size(shape), split_dim, world)
                 self.store.add_scatter_view(mm, sv)
-                self.trace.event(
-                    "${}': {} = cat(${}.chunk({}, {}), 0)", mm.tid, Meta.of(sv.tensor), mm.tid, world, split_dim
-                )
+                if self.trace.recording:
+                    self.trace.event(
+                        "${}': {} = cat(${}.chunk({}, {}), 0)", mm.tid, Meta.of(sv.tensor), mm.tid, world, split_dim
+                    )
                 return sv.tensor
         return None
 
@@ -923,7 +933,8 @@ class Engine:
         px.absorbed = py.absorbed = True
         total = PendingSum(terms, self.placeholder(px.out, px.out.shape), self.store.next_tid())
         self.store.add_product(total)
-        self.trace.event(total.render())
+        if self.trace.recording:
+            self.trace.event(total.render())
         return total.out.view(x.shape)
 
     # -- collectives issued as written -------------------------------------

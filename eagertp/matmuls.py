@@ -220,7 +220,8 @@ def _in_place_epilogue(engine: Engine, func, args, kwargs):
     if product is None:
         return engine.run_plain(func, args, kwargs)
     engine.store.add_epilogue(product, Epilogue(_EPILOGUES[func], operand))
-    engine.trace.event("${} {}= {}", product.tid, "*" if _EPILOGUES[func] is torch.Tensor.mul_ else "+", operand_str(operand))
+    if engine.trace.recording:
+        engine.trace.event("${} {}= {}", product.tid, "*" if _EPILOGUES[func] is torch.Tensor.mul_ else "+", operand_str(operand))
     return target
 
 

@@ -87,6 +87,11 @@ class EagerMicroPipeline:
             every size. A dict sets it per kind (``{"all_gather": ...,
             "reduce_scatter": ..., "all_reduce": ...}``, as ``calibrate_min_fuse_bytes`` returns
             it); a kind left out keeps its default.
+        trace: record the ordered trace of what the mode did (every deferred
+            matmul, wait and flush, with short tensor ids) for ``debug_string()``.
+            Off by default: it costs host time on every call (Note [The ordered
+            trace when asked] in ``eagertp.trace``); ``explain()`` and ``stats``
+            are kept either way.
         max_records: bound on the trace and ``explain()`` records kept.
 
     Attributes:
@@ -114,6 +119,7 @@ class EagerMicroPipeline:
         verify: bool = False,
         poison: bool = False,
         min_fuse_bytes: int | Mapping[str, int] | None = None,
+        trace: bool = False,
         max_records: int = 10_000,
     ) -> None:
         if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -129,6 +135,7 @@ class EagerMicroPipeline:
             poison=poison,
             min_fuse_bytes=min_fuse_bytes,
             max_records=max_records,
+            trace=trace,
         )
         self._mode: EagerTPMode | None = None
         self._stance: contextlib.AbstractContextManager | None = None
@@ -195,7 +202,9 @@ class EagerMicroPipeline:
         return self._engine.trace.explain(summary=summary, managed=None if group is None else group_str(group))
 
     def debug_string(self) -> str:
-        """The ordered trace, with short stable tensor ids (``$0``) and shapes."""
+        """The ordered trace, with short stable tensor ids (``$0``) and shapes;
+        recorded under ``EagerMicroPipeline(trace=True)`` only (a
+        ``RuntimeError`` says so otherwise)."""
         return self._engine.trace.debug_string()
 
     @property

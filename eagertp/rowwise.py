@@ -793,10 +793,10 @@ def defer(
         )
         whole = WholeStep(func, whole_args, kwargs, outputs, store.next_tid())
     store.add_rowwise(gather, step, made, whole)
-    if step is not None:
-        engine.trace.event(*step.trace_event())
-    if whole is not None:
-        engine.trace.event(*whole.trace_event())
+    if engine.trace.recording:
+        for recorded in (step, whole):
+            if recorded is not None:
+                engine.trace.event(*recorded.trace_event())
     if rule.in_place:
         return args[0], None
     return (results[0] if len(results) == 1 else tuple(results)), None
@@ -851,5 +851,6 @@ def defer_copy(engine: Any, dst: torch.Tensor, src: torch.Tensor) -> bool:
         return False
     whole = WholeStep(aten.copy_.default, (dst, src), {}, [], store.next_tid(), writes=dst)
     store.add_rowwise(gather, None, [], whole)
-    engine.trace.event("{} = copy_(${}) [when the gather completes]", Meta.of(dst), store.tid_of(src))
+    if engine.trace.recording:
+        engine.trace.event("{} = copy_(${}) [when the gather completes]", Meta.of(dst), store.tid_of(src))
     return True

@@ -23,6 +23,19 @@ someone reads the trace: ``Trace.event(render, *args)``, ``Lazy``, ``Reason``.
 Formatting everything when it happened cost up to 8% of the instructions
 eagertp adds to a fused call (the all-reduce's; ``benchmarks/call_instructions.py``,
 benchmarks/NOTES.md, 2026-12-02 at ea603cc).
+
+Note [The ordered trace when asked]
+-----------------------------------
+The records behind ``explain()`` and the counters are always kept: they are
+what says that a collective fused, or why not (Invariant 4). The ordered
+trace of events (every deferred matmul, wait and flush: ``debug_string()``)
+is a debugging tool, kept only under ``EagerMicroPipeline(trace=True)``, as
+torch's DebugMode records only while it is on. Even unformatted, recording
+it cost 3-5% of the instructions eagertp adds to a fused call and 14% of a
+deferred matmul's (reading shapes and dtypes for its line), every call of
+every step (``benchmarks/call_instructions.py``; benchmarks/NOTES.md,
+"The ordered trace when asked"). So the hot paths ask ``Trace.recording``
+before they build an event's arguments.
 """
 
 from __future__ import annotations
@@ -163,9 +176,14 @@ class CollectiveRecord:
 
 
 class Trace:
-    """Bounded, ordered trace of events plus the per-collective records."""
+    """Bounded, ordered trace of events plus the per-collective records.
 
-    def __init__(self, *, max_records: int) -> None:
+    The records (``explain()``) are always kept; the ordered events only when
+    ``events`` (Note [The ordered trace when asked])."""
+
+    def __init__(self, *, max_records: int, events: bool) -> None:
+        # NB: the hot paths ask this before they build an event's arguments.
+        self.recording = events
         self.events: collections.deque[Event] = collections.deque(maxlen=max_records)
         self.collectives: collections.deque[CollectiveRecord] = collections.deque(
             maxlen=max_records
@@ -182,7 +200,10 @@ class Trace:
 
     def event(self, render: str | Callable[..., str], *args: Any) -> None:
         """Record ``render(*args)`` (or ``render.format(*args)`` for a template);
-        ``args`` must hold no tensors (use ``Meta.of``)."""
+        ``args`` must hold no tensors (use ``Meta.of``). Nothing unless the
+        trace records events."""
+        if not self.recording:
+            return
         if isinstance(render, str):
             render, args = (render.format, args) if args else (str, (render,))
         self.events.append((render, args))
@@ -227,6 +248,11 @@ class Trace:
         self.passed_through[key] += 1
 
     def debug_string(self) -> str:
+        if not self.recording:
+            raise RuntimeError(
+                "debug_string(): this EagerMicroPipeline records no ordered trace; construct it with "
+                "EagerMicroPipeline(trace=True) to record one (explain() and stats are always kept)"
+            )
         return "\n".join(render(*args) for render, args in self.events)
 
     def explain(self, *, summary: bool = False, managed: str | None = None) -> str:

@@ -85,7 +85,7 @@ def _qkv_worker(rank, group):
     with PlainCollectives() as plain:
         a = all_gather(x, group)
     expected = [a @ wq, a @ wk, a @ wv]
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         a = all_gather(x, group)
         q, k, v = a @ wq, a @ wk, a @ wv
         scores = q @ k.t()  # reads q and k: the one flush that issues the fused call
@@ -186,7 +186,7 @@ def _gather_dim_worker(rank, group, shard_shape, gather_dim, bias, dtype_name):
     b = integer_tensor((5,), dtype, seed=61) if bias else None
     g = all_gather(x, group, gather_dim)
     expected = (g.clone(), F.linear(g, w, b))
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         g = all_gather(x, group, gather_dim)
         got = F.linear(g, w, b)
     return {

@@ -511,7 +511,7 @@ def _autocast_worker(rank, group):
         return [y.detach(), x.grad, p1.grad, p2.grad]
 
     expected = step(contextlib.nullcontext())
-    pipe, counter = EagerMicroPipeline(), OpCounter()
+    pipe, counter = EagerMicroPipeline(trace=True), OpCounter()
     with counter:
         got = step(pipe)
     return {

@@ -66,12 +66,26 @@ def test_reentering_an_active_instance_is_an_error():
 
 
 def test_explain_with_nothing_seen():
-    with EagerMicroPipeline() as pipe:
+    with EagerMicroPipeline(trace=True) as pipe:
         torch.ones(2) + 1
     assert pipe.explain() == "eagertp: no all-gather, reduce-scatter or all-reduce seen on a managed group"
     assert pipe.explain(summary=True) == pipe.explain()
     assert pipe.debug_string() == ""
     assert not pipe.stats
+
+
+def test_the_ordered_trace_is_recorded_only_when_asked():
+    """Note [The ordered trace when asked]: explain() and stats either way;
+    debug_string() names the option instead of returning an empty trace."""
+    x = torch.randn(4, 4)
+    for trace in (False, True):
+        with EagerMicroPipeline(trace=trace, min_fuse_bytes=0) as pipe:
+            (x @ x).relu()
+        recorded = pipe._engine.trace.events  # the deferred matmul's line and the read's
+        assert bool(recorded) == trace, list(recorded)
+    with pytest.raises(RuntimeError) as raised:
+        EagerMicroPipeline().debug_string()
+    assert_expected_inline(str(raised.value), """debug_string(): this EagerMicroPipeline records no ordered trace; construct it with EagerMicroPipeline(trace=True) to record one (explain() and stats are always kept)""")
 
 
 def test_plain_ops_pass_through_unchanged():

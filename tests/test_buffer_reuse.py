@@ -63,7 +63,7 @@ def _gathers_into_one_buffer_worker(rank, group, views):
         return first, dw2.clone(), b2.clone()
 
     expected = program()
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         got = program()
     return {
         "equal": [torch.equal(a, b) for a, b in zip(got, expected)],
@@ -123,7 +123,7 @@ def _writes_worker(rank, group, how):
         return y.clone(), buf.clone(), out
 
     expected = program()
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         got = program()
     return {
         "equal": [torch.equal(a, b) for a, b in zip(got, expected)],

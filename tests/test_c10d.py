@@ -160,7 +160,7 @@ def _list_form_writes_worker(rank, group):
         return [y, a]
 
     expected = program()
-    with EagerMicroPipeline() as pipe:
+    with EagerMicroPipeline(trace=True) as pipe:
         got = program()
     return {"equal": [torch.equal(g, e) for g, e in zip(got, expected)], "trace": pipe.debug_string()}
 

@@ -43,7 +43,7 @@ def _colwise_rowwise_worker(rank, group):
 
     plain = PlainCollectives()
     expected = step(make(), plain)
-    counter, pipe = OpCounter(), EagerMicroPipeline()
+    counter, pipe = OpCounter(), EagerMicroPipeline(trace=True)
     got = step(make(), _both(counter, pipe))
     return {
         "collectives_seen": (collectives_seen(plain), collectives_seen(pipe)),

@@ -61,7 +61,7 @@ def _prefetch(rank, group, consumer: bool, landed: str = "any"):
     gathered = torch.cat([integer_tensor((8, 16), F32, seed=r) for r in range(group.size())])
     log, counter = _MatmulLog(), OpCounter()
     landed_before_read = None
-    with log, counter, EagerMicroPipeline() as pipe:
+    with log, counter, EagerMicroPipeline(trace=True) as pipe:
         if landed == "no" and rank == 1:
             time.sleep(1.0)  # rank 0 reads y long before this rank's shard can reach it
         ag = all_gather(x, group)
@@ -184,7 +184,7 @@ def _two_in_flight_worker(rank, group, read_second_first: bool):
     ws = [integer_tensor((8, 6), F32, seed=7 + i) for i in range(2)]
     expected = [torch.cat([integer_tensor((4, 8), F32, seed=100 * i + r) for r in range(world)]) @ ws[i] for i in range(2)]
     counter = OpCounter()
-    with counter, EagerMicroPipeline() as pipe:
+    with counter, EagerMicroPipeline(trace=True) as pipe:
         ys = [all_gather(x, group) for x in xs]
         in_flight = pipe.explain()
         in_flight_summary = pipe.explain(summary=True)
@@ -312,7 +312,7 @@ def _overwritten_shard_worker(rank, group, backend="auto", write="in place"):
             handles.append(_LateReadingGather(shard, ag_out, group))
             return handles[-1]
 
-    pipe = EagerMicroPipeline(backend=backend if backend != "late" else "reference")
+    pipe = EagerMicroPipeline(backend=backend if backend != "late" else "reference", trace=True)
     if backend == "late":
         pipe._engine.backend._instances["reference"] = LateReading()
     with pipe:
@@ -368,7 +368,7 @@ def _in_place_collective_on_an_input_worker(rank, group, how: str):
         "as written": {"min_fuse_bytes": {"all_gather": 0, "all_reduce": 1 << 30}},
         "ring": {"min_fuse_bytes": 0},
     }[how]
-    with EagerMicroPipeline(**options) as pipe:
+    with EagerMicroPipeline(**options, trace=True) as pipe:
         y = all_gather(x, group) @ w
         dist.all_reduce(w, group=OTHER_GROUPS[group.size()])
         y = y.clone()
@@ -405,7 +405,7 @@ def _landed_worker(rank, group):
     log = _MatmulLog()
     patterns.WHOLE_WHEN_LANDED = True
     try:
-        with log, EagerMicroPipeline(backend="reference") as pipe:
+        with log, EagerMicroPipeline(backend="reference", trace=True) as pipe:
             ag = all_gather(x, group)
             handle = pipe._engine.store.items[0].handle
             deadline = time.monotonic() + 10

@@ -65,7 +65,7 @@ def _product_worker(rank, group, x_shape, n, gather_dim, bias):
     w = integer_tensor((n, x_shape[-1]), torch.float32, seed=1)
     b = integer_tensor((n,), torch.float32, seed=2) if bias else None
     expected = all_gather(nn.functional.linear(x, w, b), group, gather_dim)
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         got = all_gather(nn.functional.linear(x, w, b), group, gather_dim)
     return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
 
@@ -94,7 +94,7 @@ def _gathered_product_worker(rank, group, verify=False):
     x = integer_tensor((8, 16), torch.float32, seed=rank)
     w = integer_tensor((16, 6), torch.float32, seed=1)
     expected = all_gather(x @ w, group)
-    with OpCounter() as counter, EagerMicroPipeline(verify=verify) as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(verify=verify, trace=True) as pipe:
         got = all_gather(x @ w, group)
     return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
 
@@ -120,7 +120,7 @@ def _consumed_worker(rank, group):
     w1 = integer_tensor((16, 6), torch.float32, seed=1)
     w2 = integer_tensor((6, 5), torch.float32, seed=2)
     expected = all_gather(x @ w1, group) @ w2
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         got = all_gather(x @ w1, group) @ w2
     return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
 
@@ -142,7 +142,7 @@ def _read_after_worker(rank, group):
     w = integer_tensor((16, 6), torch.float32, seed=1)
     c = x @ w
     expected = (all_gather(c, group), c.sum())
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         c = x @ w
         g = funcol_gather_unwaited(c, group)
         total = c.sum()
@@ -173,7 +173,7 @@ def _mixed_worker(rank, group):
     x = integer_tensor((8, 16), torch.float32, seed=rank)
     w = integer_tensor((16, 6), torch.float32, seed=1)
     expected = all_gather(x @ w, group)
-    with EagerMicroPipeline() as pipe:
+    with EagerMicroPipeline(trace=True) as pipe:
         c = x @ w
         if rank == 0:
             c.sum()
@@ -195,7 +195,7 @@ def _c10d_worker(rank, group):
     w = integer_tensor((16, 6), torch.float32, seed=1)
     expected = torch.empty(8 * world, 6)
     dist.all_gather_into_tensor(expected, x @ w, group=group)
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         got = torch.empty(8 * world, 6)
         dist.all_gather_into_tensor(got, x @ w, group=group)
     return {"ok": torch.equal(got, expected), **_report(pipe, counter)}
@@ -252,7 +252,7 @@ def _dtensor_worker(rank, group, checkpointed=None):
             return checkpoint(model, t, use_reentrant=checkpointed == "reentrant")
     else:
         run = model
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         y = run(x)
         y.square().sum().backward()
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
@@ -291,7 +291,7 @@ def _product_kinds_worker(rank, group, kind):
         "scaled": lambda: all_gather(torch._scaled_mm(a, w, scale_a, scale_b, out_dtype=torch.float32), group),
     }
     expected = programs[kind]()
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         got = programs[kind]()
     return {
         "ok": torch.equal(got, expected),

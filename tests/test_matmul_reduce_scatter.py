@@ -261,7 +261,7 @@ def _read_after_fused_worker(rank, group):
         y = h @ w
         got = reduce_scatter(y, group)
         total = y.sum()  # read after the fused reduce-scatter
-    with EagerMicroPipeline() as dropped:
+    with EagerMicroPipeline(trace=True) as dropped:
         reduce_scatter(h @ w, group)  # nobody keeps the matmul output
     return {
         "ok": torch.equal(got, expected) and torch.equal(y, expected_y) and torch.equal(total, expected_y.sum()),
@@ -302,7 +302,7 @@ def _autocast_worker(rank, group):
         return [y.detach(), x.grad, p1.grad, p2.grad]
 
     expected = step(contextlib.nullcontext())
-    pipe, counter = EagerMicroPipeline(), OpCounter()
+    pipe, counter = EagerMicroPipeline(trace=True), OpCounter()
     with counter:
         got = step(pipe)
     return {"ok": [torch.equal(g, e) for g, e in zip(got, expected)], "trace": pipe.debug_string(), **fusion_report(pipe, counter)}
@@ -347,7 +347,7 @@ def _epilogue_worker(rank, group, collective, operand_kind, in_place):
         return funcol_all_reduce(out, group)
 
     expected = program()
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         got = program()
     return {"equal": torch.equal(got, expected), "trace": pipe.debug_string(), **fusion_report(pipe, counter)}
 

@@ -68,7 +68,7 @@ def _megatron_worker(rank, group, kind, sequence_parallel):
         model = megatron_cpu.build(kind, sequence_parallel, group.size())
         with OpCounter() as counter:
             expected = megatron_cpu.forward_backward(kind, model, sequence_parallel, group)
-        with EagerMicroPipeline() as pipe:
+        with EagerMicroPipeline(trace=True) as pipe:
             got = megatron_cpu.forward_backward(kind, model, sequence_parallel, group)
     return {
         "close": [torch.allclose(g, e, rtol=1e-5, atol=1e-6) for g, e in zip(got, expected)],
@@ -177,7 +177,7 @@ def _global_buffer_worker(rank, group):
 
     with megatron_cpu.megatron_on_cpu(group):
         expected = program()
-        with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
             got = program()
     return {
         "equal": [torch.equal(g, e) for g, e in zip(got, expected)],

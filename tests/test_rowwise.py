@@ -144,7 +144,7 @@ def _hf_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> to
 def _plain_then_fused(run):
     """``run()`` in plain eager, then inside the block: (got, expected, pipe)."""
     expected = run()
-    with EagerMicroPipeline() as pipe:
+    with EagerMicroPipeline(trace=True) as pipe:
         got = run()
     return got, expected, pipe
 

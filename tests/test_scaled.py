@@ -36,7 +36,7 @@ def _gather_scaled_worker(rank, group, scales, out_dtype_name, bias):
 
     with PlainCollectives() as plain:
         expected = program()
-    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(trace=True) as pipe:
         got = program()
     return {
         "ok": torch.equal(got, expected), "dtype": str(got.dtype), "trace": pipe.debug_string(),

@@ -60,7 +60,7 @@ def _rowwise_worker(rank, group, scale_first, consumers, bias, out_dtype_name, f
         ]
 
     expected = program()
-    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=0) as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=0, trace=True) as pipe:
         got = program()
     return {
         "ok": all(torch.equal(x, y) for x, y in zip(got, expected)),
@@ -383,7 +383,7 @@ def _landed_worker(rank, group):
     expected = program()
     saved, patterns.WHOLE_WHEN_LANDED = patterns.WHOLE_WHEN_LANDED, True
     try:
-        with EagerMicroPipeline(min_fuse_bytes=0) as pipe:
+        with EagerMicroPipeline(min_fuse_bytes=0, trace=True) as pipe:
             got = program(pipe)
     finally:
         patterns.WHOLE_WHEN_LANDED = saved

@@ -21,7 +21,7 @@ def _gather_mm_worker(rank, group, min_fuse_bytes):
     x = integer_tensor(SHARD, torch.float32, seed=rank)
     w = integer_tensor((SHARD[1], 8), torch.float32, seed=100)
     expected = all_gather(x, group) @ w
-    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes) as pipe:
+    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=min_fuse_bytes, trace=True) as pipe:
         got = all_gather(x, group) @ w
     return {
         "got": got,
@@ -203,7 +203,7 @@ def test_size_rule_runs_small_matmuls_at_once(n, deferred):
     float32) is under the reduce-scatter threshold can never feed a fused
     reduce-scatter, so it is not deferred."""
     a = integer_tensor((n, n), torch.float32, seed=0)
-    with EagerMicroPipeline(min_fuse_bytes=1 << 20) as pipe:
+    with EagerMicroPipeline(min_fuse_bytes=1 << 20, trace=True) as pipe:
         got = (a @ a).relu()
     assert torch.equal(got, (a @ a).relu())
     assert ("= mm(" in pipe.debug_string()) == deferred, pipe.debug_string()
@@ -211,7 +211,7 @@ def test_size_rule_runs_small_matmuls_at_once(n, deferred):
 
 def test_every_matmul_defers_with_min_fuse_bytes_zero():
     a = integer_tensor((8, 8), torch.float32, seed=0)
-    with EagerMicroPipeline(min_fuse_bytes=0) as pipe:
+    with EagerMicroPipeline(min_fuse_bytes=0, trace=True) as pipe:
         (a @ a).relu()
     expecttest.assert_expected_inline(
         pipe.debug_string(),

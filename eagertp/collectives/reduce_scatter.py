@@ -99,7 +99,8 @@ def _issue(engine: Engine, plan: ReduceScatterPlan, unfused_reason: str) -> None
     else:
         engine.stats[f"unfused_{plan.kind}"] += 1
         engine.trace.mark_unfused(plan.record, unfused_reason, label)
-    engine.trace.event(*plan.trace_event(label))
+    if engine.trace.recording:
+        engine.trace.event(*plan.trace_event(label))
 
 
 def _run_scatter(engine: Engine, plan: ReduceScatterPlan) -> str:
