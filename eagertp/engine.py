@@ -302,7 +302,8 @@ class Engine:
             what = [f"what ${tid} reads" for item in readers for tid in _reading(item, keys)]
             what += [f"${item.tid}'s buffer" for item in filled]
             reason = Reason("{} writes {}", func, " and ".join(what))
-            self.trace.event("wait: {}", reason)
+            if self.trace.recording:
+                self.trace.event("wait: {}", reason)
             self.complete(items, reason, keep=keep)
 
     # Note [Sends from the shard]
@@ -368,7 +369,8 @@ class Engine:
                 reason = Reason("{} read ${}", func, tid)
             else:
                 reason = Reason("{} {}", func, why)
-            self.trace.event("wait: {}", reason)
+            if self.trace.recording:
+                self.trace.event("wait: {}", reason)
             self.complete(owners, reason)
             if self.store.items:
                 self.complete_orphaned_weight_gradients(func)
@@ -409,7 +411,8 @@ class Engine:
 
     def _complete_past(self, func: Any, past: list[Product]) -> None:
         reason = Reason("{}: ${} is past its collective", func, past[-1].tid)
-        self.trace.event("wait: {}", reason)
+        if self.trace.recording:
+            self.trace.event("wait: {}", reason)
         self.complete(past, reason)
 
     def complete_orphaned_weight_gradients(self, func: Any) -> None:
@@ -678,7 +681,8 @@ class Engine:
         mm.operand, mm.view, mm.gathered_dtype = None, None, None
         self.complete_owners([mm.a], func, f"takes ${mm.tid} whole: ${view.tid} completes first")
         self.store.add_product(mm)
-        self.trace.event("${}: {} unbound: {} takes it whole", mm.tid, mm.describe(), func)
+        if self.trace.recording:
+            self.trace.event("${}: {} unbound: {} takes it whole", mm.tid, mm.describe(), func)
 
     def _bound_output(self, t: torch.Tensor) -> tuple[PendingGather, PendingMatmul] | None:
         """The gather in flight and the matmul bound to it as A rows whose
@@ -741,7 +745,8 @@ class Engine:
         """Hold a started gather in the pending store, traced, until a read or flush completes it."""
         self.store.add_gather(gather)
         record = gather.record
-        self.trace.event("${}: {} = all_gather({}, {})", gather.tid, record.dst, record.src, record.group)
+        if self.trace.recording:
+            self.trace.event("${}: {} = all_gather({}, {})", gather.tid, record.dst, record.src, record.group)
 
     # -- matmuls -----------------------------------------------------------
 

@@ -139,7 +139,8 @@ def all_reduce(
     if not plan.fused:
         engine.stats["unfused_all_reduce"] += 1
         engine.trace.mark_unfused(record, why_not, gather.backend)
-        engine.trace.event("all_reduce({}, {}) [{}]", reduce_op, record.src, gather.backend)
+        if engine.trace.recording:
+            engine.trace.event("all_reduce({}, {}) [{}]", reduce_op, record.src, gather.backend)
         return result
     if not in_place:
         # NB: as after a fused reduce-scatter, the product's own output
@@ -150,7 +151,8 @@ def all_reduce(
     engine.complete_before(func, product)
     engine.stats["matmul_all_reduce"] += 1
     engine.trace.mark_fused(record, plan.fused_with(), gather.backend)
-    engine.trace.event("matmul_all_reduce({}, ${}) [{}]", reduce_op, product.tid, gather.backend)
+    if engine.trace.recording:
+        engine.trace.event("matmul_all_reduce({}, ${}) [{}]", reduce_op, product.tid, gather.backend)
     return result
 
 
