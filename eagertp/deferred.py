@@ -190,7 +190,7 @@ import math
 import sys
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -1285,3 +1285,15 @@ def tensor_leaves(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]
                 if isinstance(t, torch.Tensor):
                     found.append(t)
     return found
+
+
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    """The tensors in ``x``, through lists, tuples and dicts nested to any
+    depth (raw c10d's list forms take ``Tensor[][]``). Off the hot path."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in tensors_in(item)]
+    return []

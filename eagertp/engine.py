@@ -55,11 +55,12 @@ from eagertp.deferred import (
     storage_key,
     storage_uses,
     tensor_leaves,
+    tensors_in,
 )
 from eagertp.patterns import AllGatherMatmulPlan, gather_signature, gathered_product, shard_producer
 from eagertp.op_facts import OP_FACTS, OpFacts, op_facts, written_tensors
 from eagertp.operands import match_gather_operand, matmul_out_dtype, same_views
-from eagertp.trace import CollectiveRecord, Meta, Reason, Text, Trace
+from eagertp.trace import CollectiveRecord, Meta, Reason, Text, Trace, metas_of
 from eagertp.unseen import Unseen
 from eagertp.verify import check_equal, check_ranks_agree
 
@@ -954,11 +955,14 @@ class Engine:
         group: dist.ProcessGroup,
         reason: Text,
         signature: str,
+        *,
+        inputs: Sequence[torch.Tensor] = (),
     ) -> Any:
         """Run a collective exactly as the program issued it, now (after
         completing the pending work it reads), and record why it was not fused.
         ``signature`` is what ``verify=True`` compares across ranks first, as
-        for a plan."""
+        for a plan. ``inputs``: every input of a list or coalesced form (``src``
+        is the first), each shown in explain(), as each of its outputs is."""
         if self.store.items:
             read = self.product_read(src)
             self.complete_for(func, args, kwargs)
@@ -968,14 +972,15 @@ class Engine:
                 check_ranks_agree(signature, group)
         result = func(*args, **kwargs)
         self.unseen.refresh()  # NB: the group counted it
-        dst = result[0] if isinstance(result, tuple) else result  # raw c10d: (output, work)
-        while isinstance(dst, list):  # raw c10d's all-reduce: ([tensor], work); list forms: their first
-            dst = dst[0]
-        if not isinstance(dst, torch.Tensor):  # a coalesced form's Work: its tensors are written in place
-            dst = src
+        # raw c10d: (output, work), its all-reduce ([tensor], work), its list forms' outputs Tensor[][].
+        outputs = tensors_in(result[0] if isinstance(result, tuple) else result)
+        sources = list(inputs) or [src]
         # NB: marks no product past its collective: one issued as written
-        # took none (Note [Products past their collective]).
-        record = self.new_record(kind, src, dst, group, marks_past=False)
+        # took none (Note [Products past their collective]). A coalesced form
+        # returns a Work: its tensors are written in place.
+        record = self.trace.new_collective(
+            kind, src=metas_of(sources), dst=metas_of(outputs or sources), group=group
+        )
         self.stats[f"unfused_{kind.split('(')[0]}"] += 1
         self.trace.mark_unfused(record, reason)
         self.trace.event("{} = {}({}, {}) [as written]", record.dst, kind, record.src, record.group)

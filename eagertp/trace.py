@@ -75,6 +75,19 @@ class Meta(NamedTuple):
 
 _new_tuple = tuple.__new__
 
+
+class Metas(tuple):
+    """What the trace keeps of the tensors of a list or coalesced collective,
+    rendered ``[f32[4, 8], f32[4, 8]]``."""
+
+    def __str__(self) -> str:
+        return f"[{', '.join(map(str, self))}]"
+
+
+def metas_of(tensors: list[torch.Tensor]) -> Meta | Metas:
+    """``Meta`` of one tensor alone, else ``Metas`` of each."""
+    return Meta.of(tensors[0]) if len(tensors) == 1 else Metas(Meta.of(t) for t in tensors)
+
 # One line of the ordered trace: ``render(*args)``, formatted when read. A plain
 # tuple: one is recorded per deferred matmul, on the hot path.
 Event = tuple[Callable[..., str], tuple]
@@ -122,8 +135,8 @@ class CollectiveRecord:
 
     kind: str  # "all_gather" | "reduce_scatter(op)" | "all_reduce(op)"
     index: int  # per-kind sequence number within the block
-    src: Meta  # the input, rendered "f32[4, 16]"
-    dst: Meta  # the output
+    src: Meta | Metas  # the input, rendered "f32[4, 16]" (a list form's: each)
+    dst: Meta | Metas  # the output
     group: str
     backend: str | None = None
     # What the records below hold renders as text (``str``, ``Lazy``, ``Reason``):
@@ -209,7 +222,7 @@ class Trace:
         self.events.append((render, args))
 
     def new_collective(
-        self, kind: str, *, src: Meta, dst: Meta, group: dist.ProcessGroup
+        self, kind: str, *, src: Meta | Metas, dst: Meta | Metas, group: dist.ProcessGroup
     ) -> CollectiveRecord:
         # NB: rendered once per group and block; keyed by name, so that the
         # trace holds no group (a destroyed group's threads end with it).

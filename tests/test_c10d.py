@@ -142,7 +142,12 @@ def test_list_and_coalesced_forms_run_as_written_and_are_explained(pool):
         assert r["collectives_seen"] == (3, 3), r
         assert r["stats"] == {"unfused_all_gather": 1, "unfused_reduce_scatter": 1, "unfused_all_reduce": 1}, r
         lines = r["explain"].splitlines()
-        assert [line.split(" #")[0] for line in lines] == ["all_gather", "reduce_scatter", "all_reduce"], lines
+        # Every tensor of a list form, not only its first.
+        assert [line.split(" on group")[0] for line in lines] == [
+            "all_gather #0 f32[4, 8] -> [f32[4, 8], f32[4, 8]]",
+            "reduce_scatter #0 [f32[4, 8], f32[4, 8]] -> f32[4, 8]",
+            "all_reduce #0 [f32[4, 8], f32[4, 8]] -> [f32[4, 8], f32[4, 8]]",
+        ], lines
         assert all("eagertp fuses the single-tensor forms; c10d." in line for line in lines), lines
 
 

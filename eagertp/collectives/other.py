@@ -8,13 +8,12 @@ did not see] in eagertp.unseen)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from eagertp._format import tensor_str
+from eagertp.deferred import tensors_in
 from eagertp.engine import Engine
 from eagertp.table import HANDLERS, register
 
@@ -57,9 +56,10 @@ def _other_communication(engine: Engine, func, args, kwargs):
     if group is not None:
         # NB: raw c10d's gathers and reduce-scatters take their outputs first.
         outputs_first = func.namespace == "c10d" and kind != "all_reduce"
-        src = _first_tensor(args[1:] if outputs_first else (args, kwargs))
+        inputs = tensors_in(args[1:2] if outputs_first else (args, kwargs))
         reason = f"eagertp fuses the single-tensor forms; {func} issued as written"
-        return engine.issue_as_is(func, args, kwargs, kind, src, group, reason, f"{func} {tensor_str(src)}")
+        signature = f"{func} {', '.join(map(tensor_str, inputs))}"
+        return engine.issue_as_is(func, args, kwargs, kind, inputs[0], group, reason, signature, inputs=inputs)
     engine.check_unseen()
     result = engine.run_plain(func, args, kwargs) if engine.store.items else func._op(*args, **kwargs)
     if engine.unseen.known:
@@ -82,12 +82,3 @@ def _group(args: tuple, kwargs: dict) -> dist.ProcessGroup | None:
                 continue
     return None
 
-
-def _first_tensor(x: Any) -> torch.Tensor | None:
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (list, tuple)):
-        return next((t for t in map(_first_tensor, x) if t is not None), None)
-    if isinstance(x, dict):
-        return _first_tensor(list(x.values()))
-    return None
