@@ -151,6 +151,35 @@ def test_list_and_coalesced_forms_run_as_written_and_are_explained(pool):
         assert all("eagertp fuses the single-tensor forms; c10d." in line for line in lines), lines
 
 
+def _out_forms_worker(rank, group):
+    """funcol's ``_out`` forms (the output passed as ``out=``) run as written,
+    explained by their input and output."""
+    from helpers import against_plain_eager
+
+    x = integer_tensor((4, 8), torch.float32, seed=rank)
+    ops, world = torch.ops._c10d_functional, group.size()
+
+    def program():
+        gathered = torch.empty(4 * world, 8)
+        ops.wait_tensor(ops.all_gather_into_tensor_out(x, world, group.group_name, out=gathered))
+        scattered = torch.empty(4 // world, 8)
+        ops.wait_tensor(ops.reduce_scatter_tensor_out(x, "sum", world, group.group_name, out=scattered))
+        return [gathered, scattered]
+
+    return against_plain_eager(program)
+
+
+def test_out_forms_run_as_written_and_are_explained_by_input_and_output(pool):
+    for r in pool.run(_out_forms_worker, 2, timeout=60):
+        assert all(r["equal"]), r
+        assert r["collectives_seen"] == (2, 2), r
+        lines = r["explain"].splitlines()
+        assert [line.split(" on group")[0] for line in lines] == [
+            "all_gather #0 f32[4, 8] -> f32[8, 8]",
+            "reduce_scatter #0 f32[4, 8] -> f32[2, 8]",
+        ], lines
+
+
 def _list_form_writes_worker(rank, group):
     """``dist.all_gather`` into a list whose buffer a deferred matmul reads
     (its outputs nest two lists deep, ``Tensor[][]``): the write completes the

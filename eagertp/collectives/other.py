@@ -56,7 +56,8 @@ def _other_communication(engine: Engine, func, args, kwargs):
     if group is not None:
         # NB: raw c10d's gathers and reduce-scatters take their outputs first.
         outputs_first = func.namespace == "c10d" and kind != "all_reduce"
-        inputs = tensors_in(args[1:2] if outputs_first else (args, kwargs))
+        # NB: the inputs argument (a list in the list forms); funcol's _out forms take their outputs as out=.
+        inputs = tensors_in(args[1:2] if outputs_first else args[:1]) or tensors_in((args, kwargs))
         reason = f"eagertp fuses the single-tensor forms; {func} issued as written"
         signature = f"{func} {', '.join(map(tensor_str, inputs))}"
         return engine.issue_as_is(func, args, kwargs, kind, inputs[0], group, reason, signature, inputs=inputs)
