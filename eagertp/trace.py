@@ -31,11 +31,11 @@ what says that a collective fused, or why not (Invariant 4). The ordered
 trace of events (every deferred matmul, wait and flush: ``debug_string()``)
 is a debugging tool, kept only under ``EagerMicroPipeline(trace=True)``, as
 torch's DebugMode records only while it is on. Even unformatted, recording
-it cost 3-5% of the instructions eagertp adds to a fused call and 14% of a
+it cost 4-7% of the instructions eagertp adds to a fused call and 15% of a
 deferred matmul's (reading shapes and dtypes for its line), every call of
-every step (``benchmarks/call_instructions.py``; benchmarks/NOTES.md,
-"The ordered trace when asked"). So the hot paths ask ``Trace.recording``
-before they build an event's arguments.
+every step (``benchmarks/call_instructions.py``; benchmarks/results/
+call_instructions_2cpu_2026-12-04_83dc4f9.md). So the hot paths ask
+``Trace.recording`` before they build an event's arguments.
 """
 
 from __future__ import annotations

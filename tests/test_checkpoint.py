@@ -31,7 +31,6 @@ block's backward issues its first collective.)
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 
 import pytest

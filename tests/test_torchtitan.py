@@ -10,8 +10,6 @@ every block checkpointed, FSDP2 on the dp dim, AdamW."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn as nn
