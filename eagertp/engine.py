@@ -92,7 +92,6 @@ class Engine:
         self.stats: collections.Counter[str] = collections.Counter()
         self.backend = BackendChoice(backend, min_fuse_bytes)
         self.max_records = max_records
-        self.records_events = trace
         self.trace = Trace(max_records=max_records, events=trace)
         self.store = PendingStore()
         # The dispatch mode while the block is active (composite ops re-enter it).
@@ -113,7 +112,7 @@ class Engine:
 
     def reset(self) -> None:
         self.stats.clear()
-        self.trace = Trace(max_records=self.max_records, events=self.records_events)
+        self.trace = Trace(max_records=self.max_records, events=self.trace.recording)
         self.store.reset()
         self.matmul_work = 0
         self._deferral_bytes.clear()
@@ -989,11 +988,11 @@ class Engine:
     def new_record(
         self, kind: str, src: torch.Tensor, dst: torch.Tensor, group: dist.ProcessGroup, *, marks_past: bool = True
     ) -> CollectiveRecord:
-        """The explain() record of a collective, with its tensors and group
-        shapes (Note [Formatted when read]). Every collective on a managed
-        group records one, so this is also where the products recorded so far
-        are marked past their collective (Note [Products past their collective]),
-        unless the collective is issued as written (``marks_past=False``)."""
+        """The explain() record of a collective eagertp runs, with its tensors
+        and group shapes (Note [Formatted when read]); also where the products
+        recorded so far are marked past their collective (Note [Products past
+        their collective]), unless ``marks_past`` is False. One issued as
+        written records in ``issue_as_is`` and marks none."""
         if marks_past:
             self.before_collective = self.store.last_tid
         return self.trace.new_collective(kind, src=Meta.of(src), dst=Meta.of(dst), group=group)
