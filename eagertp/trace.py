@@ -88,6 +88,7 @@ def metas_of(tensors: list[torch.Tensor]) -> Meta | Metas:
     """``Meta`` of one tensor alone, else ``Metas`` of each."""
     return Meta.of(tensors[0]) if len(tensors) == 1 else Metas(Meta.of(t) for t in tensors)
 
+
 # One line of the ordered trace: ``render(*args)``, formatted when read. A plain
 # tuple: one is recorded per deferred matmul, on the hot path.
 Event = tuple[Callable[..., str], tuple]
