@@ -194,6 +194,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from eagertp._compat import storage_id
 from eagertp._format import dtype_str, tensor_str
@@ -1290,10 +1291,4 @@ def tensor_leaves(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]
 def tensors_in(x: Any) -> list[torch.Tensor]:
     """The tensors in ``x``, through lists, tuples and dicts nested to any
     depth (raw c10d's list forms take ``Tensor[][]``). Off the hot path."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in tensors_in(item)]
-    return []
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
