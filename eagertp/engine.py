@@ -2,78 +2,71 @@
 
 ``Engine`` holds one ``EagerMicroPipeline``'s state (the pending store, the
 trace, the counters, the backend choice) and the operations the op handlers
-call: start a gather, defer a matmul (as a gather's consumer or standalone),
-complete what a read needs, and flush everything. Note [Deferral boundary] in
-``eagertp.deferred`` says when each happens. The handlers
-(``eagertp.collectives``, ``eagertp.matmuls``) turn ops into these calls; the
-reduce-scatter and all-reduce families run their fused collectives in their own
-modules with the engine's small surface for them (``choose_backend``,
-``add_gather``, ``gather_reference``, ``issue_as_is``, ``new_record``,
-``profiler_range``). The public class (``eagertp.pipeline``) owns the engine;
-the engine imports no family.
+call, in three parts, each in its own module:
+
+- completion and scheduling, here: what a read needs (``run_plain``,
+  ``complete_for``, ``complete_owners``), what must come before a write
+  (``before_write``), the products past their collective, ``flush``, and a
+  gather completed with its consumers (``AllGatherMatmulPlan``);
+- making pending work (``eagertp.deferring``): start a gather, defer a matmul
+  as a gather's consumer or standalone, defer an epilogue, cast or sum of a
+  product;
+- accounting (``eagertp.accounting``): stats, explain()'s records, the
+  collectives issued as written.
+
+Note [Deferral boundary] in ``eagertp.deferred`` says when each happens. The
+handlers (``eagertp.collectives``, ``eagertp.matmuls``) turn ops into these
+calls; the reduce-scatter and all-reduce families run their fused collectives
+in their own modules with the engine's small surface for them
+(``choose_backend``, ``add_gather``, ``gather_reference``, ``issue_as_is``,
+``new_record``, ``eagertp.issuing``). The public class (``eagertp.pipeline``)
+owns the engine; the engine imports no family.
 
 What the engine reads, split by concern: ``eagertp.op_facts`` (what an op
 writes and reads, from its schema), ``eagertp.operands`` (which gather in
 flight a matmul consumes, and how), ``eagertp.verify`` (``verify=True``'s
 checks), ``eagertp.deferred`` (the pending records and their store).
 """
-
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from eagertp._format import dtype_str, group_str
 from eagertp import rowwise
-from eagertp.backends import Backend, BackendChoice
-from eagertp.backends.base import all_gather_consume
-from eagertp.backends.reference import ReferenceBackend
+from eagertp._format import group_str
+from eagertp.accounting import Accounting
+from eagertp.backends import BackendChoice
 from eagertp.deferred import (
-    GatheredView,
-    Operand,
     Pending,
-    PendingCast,
     PendingGather,
-    PendingMatmul,
-    PendingPointwise,
     PendingStore,
-    PendingSum,
     Product,
-    Scaled,
-    ScatterView,
     is_weight_gradient,
-    operand_str,
     orphaned_storages,
     storage_key,
-    storage_uses,
     tensor_leaves,
-    tensors_in,
 )
-from eagertp.patterns import AllGatherMatmulPlan, gather_signature, gathered_product, shard_producer
+from eagertp.deferring import Deferring
+from eagertp.issuing import IssuingWork, profiler_range
 from eagertp.op_facts import OP_FACTS, OpFacts, op_facts, written_tensors
-from eagertp.operands import match_gather_operand, matmul_out_dtype, same_views
-from eagertp.trace import CollectiveRecord, Meta, Reason, Text, Trace, metas_of
+from eagertp.patterns import AllGatherMatmulPlan
+from eagertp.trace import Reason, Trace
 from eagertp.unseen import Unseen
-from eagertp.verify import check_equal, check_ranks_agree
+from eagertp.verify import check_equal
 
 log = logging.getLogger(__name__)
 
-# Bytes per element of the widest output a fused reduce-scatter takes from a
-# matmul: float32, also after autocast's cast of a half-precision one. (A cast
-# to float64 of a matmul small by this bound is issued unfused: still right.)
-_WIDEST_CAST = 4
 
-
-class Engine:
-    """Pending work of one ``EagerMicroPipeline`` and the operations on it."""
+class Engine(Deferring, Accounting):
+    """Pending work of one ``EagerMicroPipeline`` and the operations on it:
+    completion and scheduling here, making pending work in ``Deferring``,
+    counting and recording in ``Accounting``."""
 
     def __init__(
         self,
@@ -119,18 +112,6 @@ class Engine:
         self.before_collective = -1
         self.unseen.reset()
 
-    def never_fused(self, rows: int, cols: int, device_type: str) -> bool:
-        """True if a product of ``rows x cols`` is too small for any reduce-
-        scatter or all-reduce of it to fuse: run at once, not deferred, while
-        nothing is pending (Note [Deferral boundary])."""
-        nbytes = self._deferral_bytes.get(device_type)
-        if nbytes is None:  # the smallest matmul output (bytes) a fused collective could take
-            nbytes = self._deferral_bytes[device_type] = min(
-                self.backend.min_bytes(device_type, "reduce_scatter"),
-                self.backend.min_bytes(device_type, "all_reduce"),
-            )
-        return rows * cols * _WIDEST_CAST < nbytes
-
     def managed_group(self, func, group_size: int, group_name: Any) -> dist.ProcessGroup | None:
         """The collective's group if the mode manages it, else None (it passes
         through; what is in flight stays in flight)."""
@@ -158,16 +139,9 @@ class Engine:
             if found:
                 self.record_unseen(found)
 
-    def record_unseen(self, found: list[tuple[int, str]]) -> None:
-        """explain()'s lines and the stats for communication the mode did not
-        see (Note [Collectives the mode did not see] in eagertp.unseen)."""
-        for n, line in found:
-            self.trace.unseen.append(line)
-            self.stats["unseen_operations"] += n
-
-    def issuing_work(self) -> _IssuingWork:
+    def issuing_work(self) -> IssuingWork:
         """``with engine.issuing_work():`` Note [Issuing work]."""
-        return _IssuingWork(self)
+        return IssuingWork(self)
 
     # -- completing pending work -------------------------------------------
 
@@ -457,7 +431,7 @@ class Engine:
         (the input of the collective that completes these items, which takes it)."""
         for item in items:
             if isinstance(item, PendingGather):
-                with _IssuingWork(self):  # NB: issuing_work(), one frame shorter
+                with IssuingWork(self):  # NB: issuing_work(), one frame shorter
                     failure = self._complete_items(self._with_work_in_flight(items, keep), items, reason)
                 break
         else:
@@ -564,479 +538,6 @@ class Engine:
             for what, got, want, exact in plan.checks():
                 check_equal(what, got, want, plan.group, exact=exact)
 
-    def _count_fused(self, gather: PendingGather, plan: AllGatherMatmulPlan) -> None:
-        self.stats[plan.name] += 1
-        self.stats["fused_matmuls"] += len(gather.consumers)
-
-    def _account_gather(self, gather: PendingGather, plan: AllGatherMatmulPlan, reason: str | Reason) -> None:
-        """Stats, explain() record and trace event of a completed gather."""
-        overlapped = self.matmul_work - gather.work_at_start
-        if gather.half_of_all_reduce or gather.produced:
-            # Accounted for where it was issued (Note [Matmul + all-reduce] in
-            # eagertp.collectives.all_reduce, Note [Matmul + all-gather] in
-            # eagertp.collectives.all_gather); only its consumers are new.
-            if plan.fused:
-                self._count_fused(gather, plan)
-                gather.record.then_fused_with = plan.fused_with()
-            elif gather.read_by:  # its rows read chunk by chunk by another gather's steps
-                gather.record.then_fused_with = [step.describe() for step in gather.read_by]
-            if self.trace.recording:
-                self.trace.event(*plan.trace_event(gather.backend))
-            return
-        if gather.scale_of:
-            self.stats["fused_scale_gathers"] += 1
-        if plan.fused:
-            self._count_fused(gather, plan)
-            self.trace.mark_fused(gather.record, plan.fused_with(), gather.backend, scale_of=plan.scale_of())
-        elif gather.scale_of:
-            self.trace.mark_fused(gather.record, [], gather.backend, scale_of=plan.scale_of())
-        elif overlapped:
-            self.stats["overlapped_all_gather"] += 1
-            why = Reason("no matmul consumed it before {}; {} ran while it was in flight", reason, _matmuls(overlapped))
-            self.trace.mark_unfused(gather.record, _and_made_first(why, gather), gather.backend)
-        else:
-            self.stats["unfused_all_gather"] += 1
-            why = Reason("no matmul consumed it before {}, and none ran while it was in flight", reason)
-            self.trace.mark_unfused(gather.record, _and_made_first(why, gather), gather.backend)
-        if self.trace.recording:
-            self.trace.event(*plan.trace_event(gather.backend))
-
-    # -- all-gather --------------------------------------------------------
-
-    def placeholder(self, like: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A buffer that the pending work fills before anything can read it; with
-        ``poison=True`` it starts as NaN (integers: the dtype's max) so a bug that
-        let an unfilled one escape shows up in the results."""
-        # NB: no dtype argument where it is like's: one fewer to parse, about 10% of
-        # the call (benchmarks/NOTES.md, "2026-12-04 at 83dc4f9"; one per deferred op).
-        out = like.new_empty(shape) if dtype is None or dtype is like.dtype else like.new_empty(shape, dtype=dtype)
-        if self.poison:
-            out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
-        return out
-
-    def start_gather(
-        self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Start the gather now and return its placeholder: ``out`` (contiguous,
-        gathered shape), the caller's output buffer, or a new one. A shard that
-        a pending product makes is made as it is sent, where the backend can
-        (Note [Matmul + all-gather] in eagertp.collectives.all_gather)."""
-        product = None
-        if self.store.items and self.store.touched([shard]) is not None:
-            self.unbind_consumer(shard, "all_gather_into_tensor")
-            product = gathered_product(self.store.standalone_output(shard), shard)
-            if product is None:
-                self.complete_owners([shard], "all_gather_into_tensor")
-        shard = shard.contiguous()
-        placeholder = out is None  # else the caller's own buffer, the program's to read
-        if placeholder:
-            out = self.placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
-        record = self.new_record("all_gather", shard, out, group)
-        gather = PendingGather(shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work)
-        with _IssuingWork(self):  # NB: issuing_work(), one frame shorter
-            if self.verify:
-                # NB: before the backend is chosen: symm_mem's first use of a
-                # group rendezvouses, a collective that mismatched ranks would hang in.
-                check_ranks_agree(gather_signature(shard), group)
-            backend, gather.backend = self.choose_backend(shard, group)
-            record.backend = gather.backend
-            why_not = None if product is None else backend.why_not_produce_all_gather(shard, group)
-            if why_not is not None:
-                gather.made_first = Reason("{} made its shard first: {}", product.describe(), why_not)
-                self.complete_owners([shard], "all_gather_into_tensor", f"made ${product.tid} first: {why_not}")
-                gather.work_at_start = self.matmul_work  # NB: it ran before the gather, not behind it
-                product = None
-            if product is None:
-                gather.handle = backend.start_all_gather(shard, out, group)
-            else:
-                self._produce_gather(gather, product, backend)
-            if self.verify:
-                # Plain eager's result, gathered in program order on every rank
-                # (after the start, which may make the shard), for the comparison
-                # when the gather completes.
-                self.gather_reference(gather)
-        if placeholder:
-            gather.storage_uses_at_start = storage_uses(out)  # Note [This rank's chunk, unread]
-        self.add_gather(gather)
-        return out
-
-    def unbind_consumer(self, shard: torch.Tensor, func: Any) -> None:
-        """If ``shard`` is the whole output of a matmul bound to a gather in
-        flight (as A rows), and a collective or an epilogue is about to take
-        it, take the matmul out of that gather and complete the gather: the
-        matmul, now a standalone product of the completed tensor, is made as
-        its collective needs it (an all-gather sending it, a reduce-scatter or
-        all-reduce producing from it: Note [Matmul + all-gather] in
-        eagertp.collectives.all_gather, Note [Matmul + all-reduce]), its scale
-        kept with it (Note [Epilogues] in eagertp.deferred), as before it
-        bound. A column-parallel matmul after a norm run row by row (Note
-        [Row-wise ops on gathered rows] in eagertp.rowwise) whose output is
-        gathered (HF's ``colwise_rep``, ``colwise_gather_output``); float8's
-        input gradient scaled row-wise by an all-reduced amax, then reduced."""
-        bound = self._bound_output(shard)
-        if bound is None:
-            return
-        gather, mm = bound
-        self.store.remove_consumer(gather, mm)
-        view = mm.view
-        mm.a = view.tensor.view(mm.gathered_dtype or view.tensor.dtype).reshape(mm.out.shape[0], -1)
-        mm.operand, mm.view, mm.gathered_dtype = None, None, None
-        self.complete_owners([mm.a], func, f"takes ${mm.tid} whole: ${view.tid} completes first")
-        self.store.add_product(mm)
-        if self.trace.recording:
-            self.trace.event("${}: {} unbound: {} takes it whole", mm.tid, mm.describe(), func)
-
-    def _bound_output(self, t: torch.Tensor) -> tuple[PendingGather, PendingMatmul] | None:
-        """The gather in flight and the matmul bound to it as A rows whose
-        whole output ``t`` is, if it is one that ``unbind_consumer`` can unbind."""
-        if not self.store.items:
-            return None
-        gather = self.store.owner(t)
-        if not isinstance(gather, PendingGather):
-            return None
-        mm = gather.consumer_writing(t)
-        if (
-            mm is None
-            or mm.operand is not Operand.ROWS
-            or mm.scale_gather is not None
-            or not t.is_contiguous()
-            or t.storage_offset() != mm.out.storage_offset()
-            or t.numel() != mm.out.numel()
-        ):
-            return None
-        return gather, mm
-
-    def _produce_gather(self, gather: PendingGather, product: Product, backend: Backend) -> None:
-        """Start ``gather`` with its shard made by ``product`` as it is sent
-        (Note [Matmul + all-gather] in eagertp.collectives.all_gather), and
-        account for it as fused."""
-        self.complete_before("all_gather_into_tensor", product)
-        # NB: made straight into this rank's chunk of the result and sent from
-        # there: no copy. The product's own output stays pending, computed only
-        # if something reads it (as after a fused reduce-scatter).
-        gather.shard = gather.out.view(gather.group.size(), *gather.shard.shape)[gather.group.rank()]
-        product.absorbed = True
-        self.count_matmul_work()
-        with profiler_range("eagertp::matmul_all_gather"):
-            gather.handle = backend.produce_all_gather(
-                shard_producer(product, gather.shard), gather.shard, gather.out, gather.group
-            )
-        if self.verify:
-            want = torch.empty_like(product.out)
-            product.compute_all(want)
-            got = gather.shard.view(want.shape)
-            check_equal(f"{product.describe()} before all_gather", got, want, gather.group, exact=False)
-        gather.produced = True
-        self.stats["matmul_all_gather"] += 1
-        self.trace.mark_fused(gather.record, [product.describe()], gather.backend)
-        self.trace.event("matmul_all_gather(${}) [{}]", product.tid, gather.backend)
-
-    def choose_backend(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str]:
-        """The backend for a collective on ``t``, and its label for explain()
-        (with the note of why ``auto`` did not pick symm_mem, if any)."""
-        backend, note = self.backend.for_collective(t, group)
-        return backend, backend.name if note is None else f"{backend.name}; {note}"
-
-    def gather_reference(self, gather: PendingGather) -> None:
-        """Plain eager's gather of ``gather.shard``, for ``verify=True`` to compare
-        with when the gather completes."""
-        gather.reference = torch.empty_like(gather.out)
-        all_gather_consume(ReferenceBackend(), gather.shard, None, gather.reference, gather.group)
-
-    def add_gather(self, gather: PendingGather) -> None:
-        """Hold a started gather in the pending store, traced, until a read or flush completes it."""
-        self.store.add_gather(gather)
-        record = gather.record
-        if self.trace.recording:
-            self.trace.event("${}: {} = all_gather({}, {})", gather.tid, record.dst, record.src, record.group)
-
-    # -- matmuls -----------------------------------------------------------
-
-    def run_matmul(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-        """A matmul run at once (not deferred): counted as work that overlaps
-        the gathers in flight."""
-        self.count_matmul_work()
-        return func(*args, **kwargs)
-
-    def count_matmul_work(self, n: int = 1) -> None:
-        """``n`` matmuls are about to run while the gathers in the store are in
-        flight: counted (explain() says a gather overlapped them), and each of
-        those gathers watched, so that its consumers can tell whether it has
-        landed by then (Note [Landed gathers]). The gather half of an
-        all-reduce only once a matmul consumes it: in TP code an elementwise
-        op reads the reduced tensor first (the residual add), and a watch
-        costs a thread."""
-        self.matmul_work += n
-        for item in self.store.items:
-            if isinstance(item, PendingGather) and (item.consumers or not item.half_of_all_reduce):
-                assert item.handle is not None, f"all_gather ${item.tid} is pending but was never started"
-                item.handle.watch()
-
-    def defer_matmul(
-        self,
-        func: torch._ops.OpOverload,
-        args: tuple,
-        kwargs: dict,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        scaled: Scaled | None = None,
-    ) -> torch.Tensor:
-        """Defer a matmul: as a consumer of the gather in flight it reads, or
-        standalone (a reduce-scatter may follow: Note [Deferral boundary])."""
-        if not self.store.items and a.dim() == 2 and b.dim() == 2:
-            # NB: the hot path of small matmuls.
-            if self.never_fused(a.shape[0], b.shape[1], a.device.type):
-                return self.run_matmul(func, args, kwargs)
-        out_dtype, rejected = matmul_out_dtype(a, b, bias, scaled)
-        if out_dtype is None:
-            # Plain eager raises its own error, or (FP8 shapes the meta kernel's
-            # stricter rules reject) runs it: unfused, and explain() says why.
-            if self.store.items:
-                tensors = tensor_leaves(args, kwargs)
-                self.complete_owners(tensors, func, f"reads it with operands that do not defer ({rejected})")
-                self.complete_for(func, args, kwargs)
-            return self.run_matmul(func, args, kwargs)
-        gather, view, operand, scale_gather = None, None, None, None
-        if self.store.items:
-            self.complete_work_past(func, self.before_collective)
-        if self.store.items:  # NB: again: what the call above completed may have emptied it
-            gather, view, operand, scale_gather, why_not = match_gather_operand(self.store, a, b, bias, scaled)
-            if why_not is not None:
-                self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
-            elif gather is None:
-                self.complete_for(func, args, kwargs)
-        mm = PendingMatmul(
-            func,
-            None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,
-            None if operand is Operand.B_ROWS else b,
-            self.placeholder(a, (a.shape[0], b.shape[1]), out_dtype),
-            self.store.next_tid(),
-            bias,
-            beta=kwargs.get("beta", 1),
-            alpha=kwargs.get("alpha", 1),
-            operand=operand,
-            view=view,
-            scaled=scaled,
-            gathered_dtype=None if view is None or operand is Operand.B_ROWS else a.dtype,
-            scale_gather=scale_gather,
-        )
-        if gather is None:
-            self.store.add_product(mm)
-        else:
-            self.store.add_consumer(gather, mm)
-        if scale_gather is not None:
-            scale_gather.scale_of.append(mm)
-        if self.trace.recording:  # Note [The ordered trace when asked] in eagertp.trace
-            self.trace.events.append(mm.trace_event())  # NB: what Trace.event records, one frame shorter
-        return mm.out
-
-    def defer_cast(self, gather: PendingGather, source: GatheredView, dtype: torch.dtype) -> torch.Tensor:
-        view = GatheredView(
-            self.placeholder(source.tensor, source.tensor.shape, dtype), source.dim, source.world,
-            self.store.next_tid(), cast=True,
-        )
-        self.store.add_gathered_view(gather, view)
-        if self.trace.recording:
-            self.trace.event("${}: {} = ${}.to({})", view.tid, Meta.of(view.tensor), source.tid, dtype_str(dtype))
-        return view.tensor
-
-    def defer_product_cast(self, source: Product, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Defer ``t.to(dtype)`` of a whole pending product (``t`` views its
-        output): a reduce-scatter of the cast can still produce chunk by chunk."""
-        cast = PendingCast(source, self.placeholder(source.out, source.out.shape, dtype), self.store.next_tid())
-        source.absorbed = True
-        self.store.add_product(cast)
-        if self.trace.recording:
-            self.trace.event("${}: {} = ${}.to({})", cast.tid, Meta.of(cast.out), source.tid, dtype_str(dtype))
-        return cast.out.view(t.shape)
-
-    def defer_pointwise(
-        self, source: Product, op: Callable[..., torch.Tensor], operand: torch.Tensor | float, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Defer ``op(source.out, operand)`` of a whole pending product (Note
-        [Epilogues] in eagertp.deferred): a collective of the result can still
-        produce chunk by chunk."""
-        out = self.placeholder(source.out, source.out.shape, dtype)
-        pointwise = PendingPointwise(source, out, self.store.next_tid(), op=op, operand=operand)
-        source.absorbed = True
-        self.store.add_product(pointwise)
-        if self.trace.recording:
-            self.trace.event("${}: {} = ${} {} {}", pointwise.tid, Meta.of(out), source.tid,
-                             "*" if op is torch.mul else "+", operand_str(operand))
-        return out
-
-    def defer_chunk_cat(self, tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
-        """Defer ``cat(x.chunk(W, i), dim)`` of a pending ``x``, the reshuffle funcol
-        emits around collectives on dims > 0, or return None if that is not it:
-
-        - ``cat(ag.chunk(W), d)``: the all-gather seen along dim ``d`` (a new
-          gathered view, filled chunk by chunk when the gather completes);
-        - ``cat(y.chunk(W, d), 0)`` of a matmul output ``y``: the input of a
-          reduce-scatter along dim ``d``, which can then produce chunk by chunk.
-        """
-        owner = self.store.owner(tensors[0]) if tensors else None
-        if isinstance(owner, PendingGather) and dim == 0 and owner.view_of(tensors[0]) is None:
-            # A gather consumer's output, reshuffled for a reduce-scatter along dim > 0.
-            mm = owner.consumer_writing(tensors[0])
-            key = storage_key(tensors[0])
-            if mm is not None and len(tensors) > 1 and all(storage_key(t) == key for t in tensors):
-                self.unbind_consumer(mm.out, "cat")
-                owner = self.store.owner(tensors[0])
-        if owner is None:
-            return None
-        for t in tensors:  # NB: a loop: every cat while work is pending
-            if self.store.owner(t) is not owner:
-                return None
-        world = len(tensors)
-        if isinstance(owner, PendingGather):
-            dim = dim % owner.shard.dim()
-            if world != owner.group.size() or dim == 0 or not same_views(tensors, owner.out.chunk(world)):
-                return None
-            shape = list(owner.shard.shape)
-            shape[dim] *= world
-            view = GatheredView(self.placeholder(owner.shard, shape), dim, world, self.store.next_tid())
-            self.store.add_gathered_view(owner, view)
-            if self.trace.recording:
-                self.trace.event("${}: {} = cat(${}.chunk({}), {})", view.tid, Meta.of(view.tensor), owner.tid, world, dim)
-            return view.tensor
-        if dim != 0:
-            return None
-        mm = owner
-        for split_dim in range(1, tensors[0].dim()):
-            shape = list(tensors[0].shape)
-            shape[split_dim] *= world
-            if math.prod(shape) != mm.out.numel() or shape[-1] != mm.out.shape[1]:
-                continue
-            if same_views(tensors, mm.out.view(shape).chunk(world, split_dim)):
-                cat_shape = (world * tensors[0].shape[0], *tensors[0].shape[1:])
-                sv = ScatterView(self.placeholder(mm.out, cat_shape), torch.Size(shape), split_dim, world)
-                self.store.add_scatter_view(mm, sv)
-                if self.trace.recording:
-                    self.trace.event(
-                        "${}': {} = cat(${}.chunk({}, {}), 0)", mm.tid, Meta.of(sv.tensor), mm.tid, world, split_dim
-                    )
-                return sv.tensor
-        return None
-
-    def defer_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """Defer ``x + y`` of two whole pending products (autograd accumulating an
-        input gradient): a reduce-scatter of the sum can then produce each chunk
-        as a sum of matmul rows. A term bound to a gather in flight as its rows
-        (float8's row-wise input gradients, each scaled by the rows of its own
-        amax all-reduce's gather half) is unbound first: the sum is read now,
-        which would complete its gather anyway. None if that is not it."""
-        whole = [self.store.standalone_output(t) for t in (x, y)]
-        if all((found is not None and found[1] is None) or self._bound_output(t) is not None for t, found in zip((x, y), whole)):
-            for t in (x, y):
-                self.unbind_consumer(t, "aten.add.Tensor")
-        found_x, found_y = self.store.standalone_output(x), self.store.standalone_output(y)
-        if found_x is None or found_y is None or found_x[1] is not None or found_y[1] is not None:
-            return None
-        (px, _), (py, _) = found_x, found_y
-        if px is py or x.shape != y.shape or x.dtype != y.dtype or px.out.shape != py.out.shape:
-            return None
-        terms = [t for p in (px, py) for t in (p.terms if isinstance(p, PendingSum) else [p])]
-        px.absorbed = py.absorbed = True
-        total = PendingSum(terms, self.placeholder(px.out, px.out.shape), self.store.next_tid())
-        self.store.add_product(total)
-        if self.trace.recording:
-            self.trace.event(total.render())
-        return total.out.view(x.shape)
-
-    # -- collectives issued as written -------------------------------------
-
-    def issue_as_is(
-        self,
-        func,
-        args: tuple,
-        kwargs: dict,
-        kind: str,
-        src: torch.Tensor,
-        group: dist.ProcessGroup,
-        reason: Text,
-        signature: str,
-        *,
-        inputs: Sequence[torch.Tensor] = (),
-    ) -> Any:
-        """Run a collective exactly as the program issued it, now (after
-        completing the pending work it reads), and record why it was not fused.
-        ``signature`` is what ``verify=True`` compares across ranks first, as
-        for a plan. ``inputs``: every input of a list or coalesced form (``src``
-        is the first), each shown in explain(), as each of its outputs is."""
-        if self.store.items:
-            read = self.product_read(src)
-            self.complete_for(func, args, kwargs)
-            self.complete_work_past(func, -1 if read is None else read - 1)
-        if self.verify:
-            with self.issuing_work():
-                check_ranks_agree(signature, group)
-        result = func(*args, **kwargs)
-        self.unseen.refresh()  # NB: the group counted it
-        # raw c10d: (output, work), its all-reduce ([tensor], work), its list forms' outputs Tensor[][].
-        outputs = tensors_in(result[0] if isinstance(result, tuple) else result)
-        sources = list(inputs) or [src]
-        # NB: marks no product past its collective: one issued as written
-        # took none (Note [Products past their collective]). A coalesced form
-        # returns a Work: its tensors are written in place.
-        record = self.trace.new_collective(
-            kind, src=metas_of(sources), dst=metas_of(outputs or sources), group=group
-        )
-        self.stats[f"unfused_{kind.split('(')[0]}"] += 1
-        self.trace.mark_unfused(record, reason)
-        self.trace.event("{} = {}({}, {}) [as written]", record.dst, kind, record.src, record.group)
-        return result
-
-    def new_record(
-        self, kind: str, src: torch.Tensor, dst: torch.Tensor, group: dist.ProcessGroup, *, marks_past: bool = True
-    ) -> CollectiveRecord:
-        """The explain() record of a collective eagertp runs, with its tensors
-        and group shapes (Note [Formatted when read]); also where the products
-        recorded so far are marked past their collective (Note [Products past
-        their collective]), unless ``marks_past`` is False. One issued as
-        written records in ``issue_as_is`` and marks none."""
-        if marks_past:
-            self.before_collective = self.store.last_tid
-        return self.trace.new_collective(kind, src=Meta.of(src), dst=Meta.of(dst), group=group)
-
-
-# Note [Issuing work]
-# ~~~~~~~~~~~~~~~~~~~
-# ``with engine.issuing_work():`` ops issued inside pass through the mode, and
-# fill placeholders below autograd: tensors autograd saved for backward are
-# these same storages, and their version counters must not move. The
-# outermost one also reads the watched groups' operation counts before and
-# after (Note [Collectives the mode did not see] in eagertp.unseen).
-
-
-class _IssuingWork:
-    """``Engine.issuing_work()``: Note [Issuing work]. NB: a class, not a
-    generator under ``contextlib.contextmanager``: entered twice or more per
-    fused call, where the generator's machinery cost about 1.5 us each
-    (benchmarks/NOTES.md, 2026-12-02 at 5ce2715)."""
-
-    __slots__ = ("engine", "was_issuing", "below_autograd")
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def __enter__(self) -> None:
-        engine = self.engine
-        if not engine.issuing and engine.unseen.known:  # Note [Collectives the mode did not see]
-            engine.check_unseen()
-        self.below_autograd = torch._C._AutoDispatchBelowADInplaceOrView()
-        self.below_autograd.__enter__()
-        self.was_issuing, engine.issuing = engine.issuing, True
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.below_autograd.__exit__(*exc)
-        finally:
-            engine = self.engine
-            engine.issuing = self.was_issuing
-            if not engine.issuing and engine.unseen.known:
-                engine.unseen.refresh()
-
 
 def _reading(item: Pending, keys: set[int]) -> list[int]:
     """The trace ids of the matmuls of ``item`` (a gather's consumers) that read
@@ -1044,21 +545,3 @@ def _reading(item: Pending, keys: set[int]) -> list[int]:
     if not isinstance(item, PendingGather):
         return [item.tid]
     return [mm.tid for mm in item.consumers if any(storage_key(t) in keys for t in mm.inputs())]
-
-
-def _and_made_first(why: Reason, gather: PendingGather) -> Reason:
-    """An unfused gather's reason, with why its product did not make its shard
-    as it was sent, if one could have (Note [Matmul + all-gather])."""
-    return why if gather.made_first is None else Reason("{}; {}", why, gather.made_first)
-
-
-def _matmuls(n: int) -> str:
-    return f"{n} matmul{'s' if n != 1 else ''}"
-
-
-def profiler_range(name: str) -> contextlib.AbstractContextManager:
-    """A named range in profiler traces; nothing (not even two dispatched ops)
-    when no profiler runs."""
-    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
-
-

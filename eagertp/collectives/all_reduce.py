@@ -18,7 +18,8 @@ from eagertp._format import tensor_str
 from eagertp.backends.base import REDUCE_OPS
 from eagertp.collectives.reduce_scatter import why_not_produce
 from eagertp.deferred import PendingGather, Product, ScatterView
-from eagertp.engine import Engine, profiler_range
+from eagertp.engine import Engine
+from eagertp.issuing import profiler_range
 from eagertp.patterns import ReduceScatterPlan
 from eagertp.table import register
 from eagertp.trace import Text

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from eagertp._format import dtype_str, tensor_str
 from eagertp.backends.base import REDUCE_OPS
 from eagertp.deferred import Product, ScatterView
-from eagertp.engine import Engine, profiler_range
+from eagertp.engine import Engine
+from eagertp.issuing import profiler_range
 from eagertp.patterns import ReduceScatterPlan, scatter_signature
 from eagertp.table import register
 from eagertp.verify import check_equal, check_ranks_agree

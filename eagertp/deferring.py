@@ -1,0 +1,397 @@
+"""The engine's operations that make pending work: start a gather, defer a
+matmul (as a gather's consumer, or standalone), defer what a product's
+collective can still take chunk by chunk (casts, epilogues, sums, funcol's
+reshuffles). Note [Deferral boundary] in ``eagertp.deferred`` says when each
+happens.
+
+``Deferring`` is one of ``Engine``'s parts (``eagertp.engine``): it works on the
+engine's state (``store``, ``trace``, ``stats``, ``backend``, ``verify``,
+``poison``, ``matmul_work``) and completes what it must through the engine's
+completion (``complete_owners``, ``complete_for``, ``complete_before``,
+``complete_work_past``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from eagertp._format import dtype_str
+from eagertp.backends import Backend
+from eagertp.backends.base import all_gather_consume
+from eagertp.backends.reference import ReferenceBackend
+from eagertp.deferred import (
+    GatheredView,
+    Operand,
+    PendingCast,
+    PendingGather,
+    PendingMatmul,
+    PendingPointwise,
+    PendingSum,
+    Product,
+    Scaled,
+    ScatterView,
+    operand_str,
+    storage_key,
+    storage_uses,
+    tensor_leaves,
+)
+from eagertp.issuing import IssuingWork, profiler_range
+from eagertp.operands import match_gather_operand, matmul_out_dtype, same_views
+from eagertp.patterns import gather_signature, gathered_product, shard_producer
+from eagertp.trace import Meta, Reason
+from eagertp.verify import check_equal, check_ranks_agree
+
+# Bytes per element of the widest output a fused reduce-scatter takes from a
+# matmul: float32, also after autocast's cast of a half-precision one. (A cast
+# to float64 of a matmul small by this bound is issued unfused: still right.)
+_WIDEST_CAST = 4
+
+
+class Deferring:
+    """Making pending work: gathers started, matmuls and epilogues deferred."""
+
+    def placeholder(self, like: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A buffer that the pending work fills before anything can read it; with
+        ``poison=True`` it starts as NaN (integers: the dtype's max) so a bug that
+        let an unfilled one escape shows up in the results."""
+        # NB: no dtype argument where it is like's: one fewer to parse, about 10% of
+        # the call (benchmarks/NOTES.md, "2026-12-04 at 83dc4f9"; one per deferred op).
+        out = like.new_empty(shape) if dtype is None or dtype is like.dtype else like.new_empty(shape, dtype=dtype)
+        if self.poison:
+            out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
+        return out
+
+    # -- all-gather --------------------------------------------------------
+
+    def start_gather(
+        self, shard: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Start the gather now and return its placeholder: ``out`` (contiguous,
+        gathered shape), the caller's output buffer, or a new one. A shard that
+        a pending product makes is made as it is sent, where the backend can
+        (Note [Matmul + all-gather] in eagertp.collectives.all_gather)."""
+        product = None
+        if self.store.items and self.store.touched([shard]) is not None:
+            self.unbind_consumer(shard, "all_gather_into_tensor")
+            product = gathered_product(self.store.standalone_output(shard), shard)
+            if product is None:
+                self.complete_owners([shard], "all_gather_into_tensor")
+        shard = shard.contiguous()
+        placeholder = out is None  # else the caller's own buffer, the program's to read
+        if placeholder:
+            out = self.placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
+        record = self.new_record("all_gather", shard, out, group)
+        gather = PendingGather(shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work)
+        with IssuingWork(self):  # NB: issuing_work(), one frame shorter
+            if self.verify:
+                # NB: before the backend is chosen: symm_mem's first use of a
+                # group rendezvouses, a collective that mismatched ranks would hang in.
+                check_ranks_agree(gather_signature(shard), group)
+            backend, gather.backend = self.choose_backend(shard, group)
+            record.backend = gather.backend
+            why_not = None if product is None else backend.why_not_produce_all_gather(shard, group)
+            if why_not is not None:
+                gather.made_first = Reason("{} made its shard first: {}", product.describe(), why_not)
+                self.complete_owners([shard], "all_gather_into_tensor", f"made ${product.tid} first: {why_not}")
+                gather.work_at_start = self.matmul_work  # NB: it ran before the gather, not behind it
+                product = None
+            if product is None:
+                gather.handle = backend.start_all_gather(shard, out, group)
+            else:
+                self._produce_gather(gather, product, backend)
+            if self.verify:
+                # Plain eager's result, gathered in program order on every rank
+                # (after the start, which may make the shard), for the comparison
+                # when the gather completes.
+                self.gather_reference(gather)
+        if placeholder:
+            gather.storage_uses_at_start = storage_uses(out)  # Note [This rank's chunk, unread]
+        self.add_gather(gather)
+        return out
+
+    def unbind_consumer(self, shard: torch.Tensor, func: Any) -> None:
+        """If ``shard`` is the whole output of a matmul bound to a gather in
+        flight (as A rows), and a collective or an epilogue is about to take
+        it, take the matmul out of that gather and complete the gather: the
+        matmul, now a standalone product of the completed tensor, is made as
+        its collective needs it (an all-gather sending it, a reduce-scatter or
+        all-reduce producing from it: Note [Matmul + all-gather] in
+        eagertp.collectives.all_gather, Note [Matmul + all-reduce]), its scale
+        kept with it (Note [Epilogues] in eagertp.deferred), as before it
+        bound. A column-parallel matmul after a norm run row by row (Note
+        [Row-wise ops on gathered rows] in eagertp.rowwise) whose output is
+        gathered (HF's ``colwise_rep``, ``colwise_gather_output``); float8's
+        input gradient scaled row-wise by an all-reduced amax, then reduced."""
+        bound = self._bound_output(shard)
+        if bound is None:
+            return
+        gather, mm = bound
+        self.store.remove_consumer(gather, mm)
+        view = mm.view
+        mm.a = view.tensor.view(mm.gathered_dtype or view.tensor.dtype).reshape(mm.out.shape[0], -1)
+        mm.operand, mm.view, mm.gathered_dtype = None, None, None
+        self.complete_owners([mm.a], func, f"takes ${mm.tid} whole: ${view.tid} completes first")
+        self.store.add_product(mm)
+        if self.trace.recording:
+            self.trace.event("${}: {} unbound: {} takes it whole", mm.tid, mm.describe(), func)
+
+    def _bound_output(self, t: torch.Tensor) -> tuple[PendingGather, PendingMatmul] | None:
+        """The gather in flight and the matmul bound to it as A rows whose
+        whole output ``t`` is, if it is one that ``unbind_consumer`` can unbind."""
+        if not self.store.items:
+            return None
+        gather = self.store.owner(t)
+        if not isinstance(gather, PendingGather):
+            return None
+        mm = gather.consumer_writing(t)
+        if (
+            mm is None
+            or mm.operand is not Operand.ROWS
+            or mm.scale_gather is not None
+            or not t.is_contiguous()
+            or t.storage_offset() != mm.out.storage_offset()
+            or t.numel() != mm.out.numel()
+        ):
+            return None
+        return gather, mm
+
+    def _produce_gather(self, gather: PendingGather, product: Product, backend: Backend) -> None:
+        """Start ``gather`` with its shard made by ``product`` as it is sent
+        (Note [Matmul + all-gather] in eagertp.collectives.all_gather), and
+        account for it as fused."""
+        self.complete_before("all_gather_into_tensor", product)
+        # NB: made straight into this rank's chunk of the result and sent from
+        # there: no copy. The product's own output stays pending, computed only
+        # if something reads it (as after a fused reduce-scatter).
+        gather.shard = gather.out.view(gather.group.size(), *gather.shard.shape)[gather.group.rank()]
+        product.absorbed = True
+        self.count_matmul_work()
+        with profiler_range("eagertp::matmul_all_gather"):
+            gather.handle = backend.produce_all_gather(
+                shard_producer(product, gather.shard), gather.shard, gather.out, gather.group
+            )
+        if self.verify:
+            want = torch.empty_like(product.out)
+            product.compute_all(want)
+            got = gather.shard.view(want.shape)
+            check_equal(f"{product.describe()} before all_gather", got, want, gather.group, exact=False)
+        gather.produced = True
+        self.stats["matmul_all_gather"] += 1
+        self.trace.mark_fused(gather.record, [product.describe()], gather.backend)
+        self.trace.event("matmul_all_gather(${}) [{}]", product.tid, gather.backend)
+
+    def choose_backend(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str]:
+        """The backend for a collective on ``t``, and its label for explain()
+        (with the note of why ``auto`` did not pick symm_mem, if any)."""
+        backend, note = self.backend.for_collective(t, group)
+        return backend, backend.name if note is None else f"{backend.name}; {note}"
+
+    def gather_reference(self, gather: PendingGather) -> None:
+        """Plain eager's gather of ``gather.shard``, for ``verify=True`` to compare
+        with when the gather completes."""
+        gather.reference = torch.empty_like(gather.out)
+        all_gather_consume(ReferenceBackend(), gather.shard, None, gather.reference, gather.group)
+
+    def add_gather(self, gather: PendingGather) -> None:
+        """Hold a started gather in the pending store, traced, until a read or flush completes it."""
+        self.store.add_gather(gather)
+        record = gather.record
+        if self.trace.recording:
+            self.trace.event("${}: {} = all_gather({}, {})", gather.tid, record.dst, record.src, record.group)
+
+    # -- matmuls -----------------------------------------------------------
+
+    def never_fused(self, rows: int, cols: int, device_type: str) -> bool:
+        """True if a product of ``rows x cols`` is too small for any reduce-
+        scatter or all-reduce of it to fuse: run at once, not deferred, while
+        nothing is pending (Note [Deferral boundary])."""
+        nbytes = self._deferral_bytes.get(device_type)
+        if nbytes is None:  # the smallest matmul output (bytes) a fused collective could take
+            nbytes = self._deferral_bytes[device_type] = min(
+                self.backend.min_bytes(device_type, "reduce_scatter"),
+                self.backend.min_bytes(device_type, "all_reduce"),
+            )
+        return rows * cols * _WIDEST_CAST < nbytes
+
+    def run_matmul(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """A matmul run at once (not deferred): counted as work that overlaps
+        the gathers in flight."""
+        self.count_matmul_work()
+        return func(*args, **kwargs)
+
+    def defer_matmul(
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple,
+        kwargs: dict,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        scaled: Scaled | None = None,
+    ) -> torch.Tensor:
+        """Defer a matmul: as a consumer of the gather in flight it reads, or
+        standalone (a reduce-scatter may follow: Note [Deferral boundary])."""
+        if not self.store.items and a.dim() == 2 and b.dim() == 2:
+            # NB: the hot path of small matmuls.
+            if self.never_fused(a.shape[0], b.shape[1], a.device.type):
+                return self.run_matmul(func, args, kwargs)
+        out_dtype, rejected = matmul_out_dtype(a, b, bias, scaled)
+        if out_dtype is None:
+            # Plain eager raises its own error, or (FP8 shapes the meta kernel's
+            # stricter rules reject) runs it: unfused, and explain() says why.
+            if self.store.items:
+                tensors = tensor_leaves(args, kwargs)
+                self.complete_owners(tensors, func, f"reads it with operands that do not defer ({rejected})")
+                self.complete_for(func, args, kwargs)
+            return self.run_matmul(func, args, kwargs)
+        gather, view, operand, scale_gather = None, None, None, None
+        if self.store.items:
+            self.complete_work_past(func, self.before_collective)
+        if self.store.items:  # NB: again: what the call above completed may have emptied it
+            gather, view, operand, scale_gather, why_not = match_gather_operand(self.store, a, b, bias, scaled)
+            if why_not is not None:
+                self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
+            elif gather is None:
+                self.complete_for(func, args, kwargs)
+        mm = PendingMatmul(
+            func,
+            None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,
+            None if operand is Operand.B_ROWS else b,
+            self.placeholder(a, (a.shape[0], b.shape[1]), out_dtype),
+            self.store.next_tid(),
+            bias,
+            beta=kwargs.get("beta", 1),
+            alpha=kwargs.get("alpha", 1),
+            operand=operand,
+            view=view,
+            scaled=scaled,
+            gathered_dtype=None if view is None or operand is Operand.B_ROWS else a.dtype,
+            scale_gather=scale_gather,
+        )
+        if gather is None:
+            self.store.add_product(mm)
+        else:
+            self.store.add_consumer(gather, mm)
+        if scale_gather is not None:
+            scale_gather.scale_of.append(mm)
+        if self.trace.recording:  # Note [The ordered trace when asked] in eagertp.trace
+            self.trace.events.append(mm.trace_event())  # NB: what Trace.event records, one frame shorter
+        return mm.out
+
+    def defer_cast(self, gather: PendingGather, source: GatheredView, dtype: torch.dtype) -> torch.Tensor:
+        view = GatheredView(
+            self.placeholder(source.tensor, source.tensor.shape, dtype), source.dim, source.world,
+            self.store.next_tid(), cast=True,
+        )
+        self.store.add_gathered_view(gather, view)
+        if self.trace.recording:
+            self.trace.event("${}: {} = ${}.to({})", view.tid, Meta.of(view.tensor), source.tid, dtype_str(dtype))
+        return view.tensor
+
+    def defer_product_cast(self, source: Product, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Defer ``t.to(dtype)`` of a whole pending product (``t`` views its
+        output): a reduce-scatter of the cast can still produce chunk by chunk."""
+        cast = PendingCast(source, self.placeholder(source.out, source.out.shape, dtype), self.store.next_tid())
+        source.absorbed = True
+        self.store.add_product(cast)
+        if self.trace.recording:
+            self.trace.event("${}: {} = ${}.to({})", cast.tid, Meta.of(cast.out), source.tid, dtype_str(dtype))
+        return cast.out.view(t.shape)
+
+    def defer_pointwise(
+        self, source: Product, op: Callable[..., torch.Tensor], operand: torch.Tensor | float, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Defer ``op(source.out, operand)`` of a whole pending product (Note
+        [Epilogues] in eagertp.deferred): a collective of the result can still
+        produce chunk by chunk."""
+        out = self.placeholder(source.out, source.out.shape, dtype)
+        pointwise = PendingPointwise(source, out, self.store.next_tid(), op=op, operand=operand)
+        source.absorbed = True
+        self.store.add_product(pointwise)
+        if self.trace.recording:
+            self.trace.event("${}: {} = ${} {} {}", pointwise.tid, Meta.of(out), source.tid,
+                             "*" if op is torch.mul else "+", operand_str(operand))
+        return out
+
+    def defer_chunk_cat(self, tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
+        """Defer ``cat(x.chunk(W, i), dim)`` of a pending ``x``, the reshuffle funcol
+        emits around collectives on dims > 0, or return None if that is not it:
+
+        - ``cat(ag.chunk(W), d)``: the all-gather seen along dim ``d`` (a new
+          gathered view, filled chunk by chunk when the gather completes);
+        - ``cat(y.chunk(W, d), 0)`` of a matmul output ``y``: the input of a
+          reduce-scatter along dim ``d``, which can then produce chunk by chunk.
+        """
+        owner = self.store.owner(tensors[0]) if tensors else None
+        if isinstance(owner, PendingGather) and dim == 0 and owner.view_of(tensors[0]) is None:
+            # A gather consumer's output, reshuffled for a reduce-scatter along dim > 0.
+            mm = owner.consumer_writing(tensors[0])
+            key = storage_key(tensors[0])
+            if mm is not None and len(tensors) > 1 and all(storage_key(t) == key for t in tensors):
+                self.unbind_consumer(mm.out, "cat")
+                owner = self.store.owner(tensors[0])
+        if owner is None:
+            return None
+        for t in tensors:  # NB: a loop: every cat while work is pending
+            if self.store.owner(t) is not owner:
+                return None
+        world = len(tensors)
+        if isinstance(owner, PendingGather):
+            dim = dim % owner.shard.dim()
+            if world != owner.group.size() or dim == 0 or not same_views(tensors, owner.out.chunk(world)):
+                return None
+            shape = list(owner.shard.shape)
+            shape[dim] *= world
+            view = GatheredView(self.placeholder(owner.shard, shape), dim, world, self.store.next_tid())
+            self.store.add_gathered_view(owner, view)
+            if self.trace.recording:
+                self.trace.event("${}: {} = cat(${}.chunk({}), {})", view.tid, Meta.of(view.tensor), owner.tid, world, dim)
+            return view.tensor
+        if dim != 0:
+            return None
+        mm = owner
+        for split_dim in range(1, tensors[0].dim()):
+            shape = list(tensors[0].shape)
+            shape[split_dim] *= world
+            if math.prod(shape) != mm.out.numel() or shape[-1] != mm.out.shape[1]:
+                continue
+            if same_views(tensors, mm.out.view(shape).chunk(world, split_dim)):
+                cat_shape = (world * tensors[0].shape[0], *tensors[0].shape[1:])
+                sv = ScatterView(self.placeholder(mm.out, cat_shape), torch.Size(shape), split_dim, world)
+                self.store.add_scatter_view(mm, sv)
+                if self.trace.recording:
+                    self.trace.event(
+                        "${}': {} = cat(${}.chunk({}, {}), 0)", mm.tid, Meta.of(sv.tensor), mm.tid, world, split_dim
+                    )
+                return sv.tensor
+        return None
+
+    def defer_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Defer ``x + y`` of two whole pending products (autograd accumulating an
+        input gradient): a reduce-scatter of the sum can then produce each chunk
+        as a sum of matmul rows. A term bound to a gather in flight as its rows
+        (float8's row-wise input gradients, each scaled by the rows of its own
+        amax all-reduce's gather half) is unbound first: the sum is read now,
+        which would complete its gather anyway. None if that is not it."""
+        whole = [self.store.standalone_output(t) for t in (x, y)]
+        if all((found is not None and found[1] is None) or self._bound_output(t) is not None for t, found in zip((x, y), whole)):
+            for t in (x, y):
+                self.unbind_consumer(t, "aten.add.Tensor")
+        found_x, found_y = self.store.standalone_output(x), self.store.standalone_output(y)
+        if found_x is None or found_y is None or found_x[1] is not None or found_y[1] is not None:
+            return None
+        (px, _), (py, _) = found_x, found_y
+        if px is py or x.shape != y.shape or x.dtype != y.dtype or px.out.shape != py.out.shape:
+            return None
+        terms = [t for p in (px, py) for t in (p.terms if isinstance(p, PendingSum) else [p])]
+        px.absorbed = py.absorbed = True
+        total = PendingSum(terms, self.placeholder(px.out, px.out.shape), self.store.next_tid())
+        self.store.add_product(total)
+        if self.trace.recording:
+            self.trace.event(total.render())
+        return total.out.view(x.shape)
