@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Iterator
 from unittest import mock
 
@@ -189,7 +190,8 @@ def with_small_pieces(rank, group, worker, *args):
         ring.PIECES.update(saved)
 
 
-def _cpu_scaled_mm_takes_rowwise_scales() -> bool:
+@functools.cache
+def cpu_scaled_mm_takes_rowwise_scales() -> bool:
     """CPU ``_scaled_mm`` takes row-wise scales since torch 2.12; before, only
     tensor-wise (plain eager raises, so there is nothing to compare against)."""
     a = torch.ones(16, 16).to(torch.float8_e4m3fn)
@@ -201,12 +203,11 @@ def _cpu_scaled_mm_takes_rowwise_scales() -> bool:
     return True
 
 
-ROWWISE_SCALES = pytest.param(
-    "rowwise",
-    marks=pytest.mark.skipif(
-        not _cpu_scaled_mm_takes_rowwise_scales(), reason="this torch's CPU _scaled_mm takes tensor-wise scales only"
-    ),
+# A test or case that runs CPU ``_scaled_mm`` with row-wise scales (torch 2.12 on).
+NEEDS_ROWWISE_SCALED_MM = pytest.mark.skipif(
+    not cpu_scaled_mm_takes_rowwise_scales(), reason="this torch's CPU _scaled_mm takes tensor-wise scales only"
 )
+ROWWISE_SCALES = pytest.param("rowwise", marks=NEEDS_ROWWISE_SCALED_MM)
 
 
 def explained_kind(name: str) -> bool:

@@ -308,17 +308,18 @@ def _whole_step_worker(rank, group, sequence_parallel):
                 norms.append(torch.nn.utils.clip_grad_norm_(clipped, 0.5).full_tensor())
                 opt.step()
                 opt.zero_grad()
-            stats.append(dict(ctx.stats) if isinstance(ctx, EagerMicroPipeline) else None)
+            stats.append(dict(ctx.stats) if isinstance(ctx, EagerMicroPipeline) else ctx.collectives.count("all_reduce"))
             seen.append(collectives_seen(ctx))
         return torch.stack(norms), [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()], stats
 
     seen: list[int] = []
-    expected_norms, expected_params, _ = train(PlainCollectives())
+    expected_norms, expected_params, plain_all_reduces = train(PlainCollectives())
     plain_seen, seen = seen, []
     pipe = EagerMicroPipeline()
     norms, params, stats = train(pipe)
     return {
         "collectives_seen": (plain_seen, seen),
+        "plain_all_reduces": plain_all_reduces,
         "norms": (expected_norms, norms),
         "params_close": [torch.allclose(p, e, rtol=1e-4, atol=1e-6) for p, e in zip(params, expected_params)],
         "stats": stats,
@@ -327,37 +328,38 @@ def _whole_step_worker(rank, group, sequence_parallel):
 
 
 @pytest.mark.parametrize(
-    "sequence_parallel, stats, unfused",
+    "sequence_parallel, fused, one_rows",
     [
         # SP: the norms' 4 gradients stay Partial, so DTensor all-reduces them where the clip
-        # reads them (4, then its stack of 12 norms) and 3 times each in AdamW's step (12), as
-        # in plain eager: none of them a matmul's.
-        (True, {"all_gather_matmul": 4, "fused_matmuls": 8, "matmul_reduce_scatter": 4, "unfused_all_reduce": 17,
-                "rowwise_ops": 1}, {"f32[16]": 16, "f32[12]": 1}),
+        # reads them (4, then its stack of 12 norms) and again in AdamW's step, as in plain
+        # eager: none of them a matmul's. (17 all-reduces a step on torch 2.13, 21 on 2.11.)
+        (True, {"all_gather_matmul": 4, "fused_matmuls": 8, "matmul_reduce_scatter": 4, "rowwise_ops": 1},
+         ("f32[16]", "f32[12]")),
         # No SP: forward's 2 and backward's 4 (q, k, v and w1's input gradients), then the clip's.
         # Two gather halves feed a matmul through the norm between (row by row):
         # ln2 -> w1 forward, ln2's backward -> wo's gradients. autograd takes the norms'
         # gradients as .grad without copying them (Note [Results over the rows, taken by
         # autograd] in eagertp.rowwise): no copy_ among the row-wise ops.
-        (False, {"matmul_all_reduce": 6, "unfused_all_reduce": 1, "rowwise_ops": 10, "all_gather_matmul": 2,
-                 "fused_matmuls": 3}, {"f32[8]": 1}),
+        (False, {"matmul_all_reduce": 6, "rowwise_ops": 10, "all_gather_matmul": 2, "fused_matmuls": 3}, ("f32[8]",)),
     ],
     ids=["tp_sp", "tp"],
 )
-def test_dtensor_whole_step_with_clipping_and_adamw_inside_the_block(pool, sequence_parallel, stats, unfused):
+def test_dtensor_whole_step_with_clipping_and_adamw_inside_the_block(pool, sequence_parallel, fused, one_rows):
     """The training step as loops write it, optimizer and clipping inside the
     block: every TP matmul collective fuses every step; DTensor's all-reduces
-    of small replicated tensors (norm gradients, the clip's norms) are issued
-    as written with their reason; norms and trained weights are plain eager's."""
+    of small replicated tensors (norm gradients, the clip's norms; as many as
+    plain eager issues, which depends on DTensor's release) are issued as
+    written with their reason; norms and trained weights are plain eager's."""
     for r in pool.run(_whole_step_worker, 2, sequence_parallel):
         torch.testing.assert_close(r["norms"][1], r["norms"][0], rtol=1e-5, atol=1e-6)
         _explains_every_collective(r["collectives_seen"])
         assert all(r["params_close"]), r["params_close"]
-        assert r["stats"] == [stats] * 3, r["stats"]
-        for meta, count in unfused.items():
-            reason = f"not fused: {meta} is one row (all dims but the last), which does not split over 2 ranks"
-            assert sum(reason in line for line in r["unfused"]) == count, r["unfused"]
-        assert len(r["unfused"]) == sum(unfused.values()), r["unfused"]
+        unfused = [n - fused.get("matmul_all_reduce", 0) for n in r["plain_all_reduces"]]
+        assert r["stats"] == [{**fused, "unfused_all_reduce": n} for n in unfused], (r["stats"], r["plain_all_reduces"])
+        assert len(r["unfused"]) == unfused[-1], r["unfused"]
+        for line in r["unfused"]:
+            assert any(f"not fused: {meta} is one row (all dims but the last), which does not split over 2 ranks" in line
+                       for meta in one_rows), line
 
 
 def _full_grads(model: nn.Module) -> list[torch.Tensor]:
@@ -457,13 +459,21 @@ def _double_backward_worker(rank, group, sequence_parallel):
 # The second backward all-reduces an input gradient made of two products and
 # a gradient already computed (``mm + f32[16, 16] + mm``): the added tensor
 # stays with the products (Note [Epilogues] in eagertp.deferred), so that
-# all-reduce fuses too.
+# all-reduce fuses too. Torch 2.11's autograd orders the second backward
+# otherwise: without SP its all-reduce takes one product, and tanh's backward
+# reads the gather half whole before any matmul could take it row by row (one
+# fewer fusion; the gradients are plain eager's either way); with SP one more
+# sum runs over the rows.
+_TORCH_2_11 = torch.__version__ < "2.12"
+
+
 @pytest.mark.parametrize(
     "sequence_parallel, stats",
     [
         (True, {"all_gather_matmul": 3, "fused_matmuls": 5, "matmul_reduce_scatter": 1, "matmul_all_reduce": 1,
-                "rowwise_ops": 2}),
-        (False, {"matmul_all_reduce": 2, "rowwise_ops": 6, "all_gather_matmul": 1, "fused_matmuls": 2}),
+                "rowwise_ops": 3 if _TORCH_2_11 else 2}),
+        (False, {"matmul_all_reduce": 2, "rowwise_ops": 2} if _TORCH_2_11 else
+                {"matmul_all_reduce": 2, "rowwise_ops": 6, "all_gather_matmul": 1, "fused_matmuls": 2}),
     ],
     ids=["tp_sp", "tp"],
 )

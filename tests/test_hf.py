@@ -131,21 +131,24 @@ def _compare_step(model, in_pieces: bool = False, batch: int = 2) -> dict:
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         return {"logits": out.logits.detach(), "loss": out.loss.detach(), **grads}
 
-    def full(tensors):  # outside the counters: full_tensor() all-gathers
-        return {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in tensors.items()}
+    def local(tensors):
+        # NB: each rank compares its own shards, and their placements: no
+        # full_tensor(), which on torch 2.11 cannot gather the _StridedShard
+        # placements transformers' plan makes (a ValueError in plain eager).
+        return {n: (t.to_local(), t.placements) if hasattr(t, "to_local") else (t, None) for n, t in tensors.items()}
 
     eager_counter = OpCounter()
     with eager_counter:
-        expected = step(contextlib.nullcontext())
-    expected = full(expected)
+        expected = local(step(contextlib.nullcontext()))
     counter, pipe = OpCounter(), EagerMicroPipeline()
     with counter, _small_pieces() if in_pieces else contextlib.nullcontext():
-        got = step(pipe)
-    got = full(got)
+        got = local(step(pipe))
     mismatches = {}
-    for name, e in expected.items():
+    for name, (e, placements) in expected.items():
+        g, got_placements = got.get(name, (None, None))
         try:
-            torch.testing.assert_close(got.get(name), e)
+            torch.testing.assert_close(g, e)
+            assert got_placements == placements, f"placements {got_placements}, plain eager's {placements}"
         except AssertionError as err:  # also a gradient missing under eagertp (None)
             mismatches[name] = str(err)
     return {

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from helpers import (
-    OpCounter, all_gather, col_major, fp8_scales, fp8_tensor, fusion_report, integer_tensor, with_small_pieces,
+    NEEDS_ROWWISE_SCALED_MM, OpCounter, all_gather, col_major, fp8_scales, fp8_tensor, fusion_report, integer_tensor,
+    with_small_pieces,
 )
 from symm_mem_emulation import run_on
 
@@ -300,7 +301,7 @@ def _product_kinds_worker(rank, group, kind):
     }
 
 
-@pytest.mark.parametrize("kind", ["sum", "cast", "scaled"])
+@pytest.mark.parametrize("kind", ["sum", "cast", pytest.param("scaled", marks=NEEDS_ROWWISE_SCALED_MM)])
 def test_products_of_every_kind(pool, kind):
     for r in pool.run(with_small_pieces, 2, _product_kinds_worker, kind):
         assert r["ok"], r

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
-    FP8, OpCounter, _cpu_scaled_mm_takes_rowwise_scales, all_gather, col_major, fusion_report, integer_tensor,
+    FP8, NEEDS_ROWWISE_SCALED_MM, OpCounter, all_gather, col_major, fusion_report, integer_tensor,
 )
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 from expecttest import assert_expected_inline
@@ -19,9 +19,7 @@ from expecttest import assert_expected_inline
 from eagertp import EagerMicroPipeline
 
 WORLDS = [2, 4]
-pytestmark = pytest.mark.skipif(
-    not _cpu_scaled_mm_takes_rowwise_scales(), reason="this torch's CPU _scaled_mm takes tensor-wise scales only"
-)
+pytestmark = NEEDS_ROWWISE_SCALED_MM
 
 
 def _quantized_shard(rank, rows, k=32):

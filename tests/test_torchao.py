@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import PlainCollectives
+from helpers import NEEDS_ROWWISE_SCALED_MM, PlainCollectives
 
 from eagertp import EagerMicroPipeline
 
@@ -174,7 +174,9 @@ _EXPECTED = {
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["SP", "no SP"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_exact_scales"])
+@pytest.mark.parametrize(
+    "recipe", ["tensorwise", *(pytest.param(r, marks=NEEDS_ROWWISE_SCALED_MM) for r in ("rowwise", "rowwise_exact_scales"))]
+)
 def test_torchao_float8_with_tp_fuses_its_matmul_collectives(pool, recipe, sequence_parallel):
     """Every all-gather and reduce-scatter fused, and every all-reduce of a
     matmul output; the amax all-reduces issued as written, with their reason;
