@@ -7,8 +7,10 @@ activation, or of a linear's output), reduce-scatters,
 all-reduces (of a linear's output or a sum of two, out of place through funcol
 or in place through raw c10d, or a max of whatever the activation is), linears
 (with and without bias, or over two rows at a time), weight gradients
-contracting the rows, views, elementwise ops, several consumers of one tensor,
-reads and flushes mix freely; reads and flushes may happen on one
+contracting the rows, views, elementwise ops, row-wise ops (a residual add, a
+bias along the rows, a reduction over the last dim kept and used, a row's
+scale from its own values: chunk by chunk on a gathered tensor), several
+consumers of one tensor, reads and flushes mix freely; reads and flushes may happen on one
 rank only, which is exactly what schedule invariance must survive. Weights are
 signed permutations, so values stay integers below 3**10 (weight gradients,
 summing at most 24 rows of them against +-1, below 2**24) and plain eager and
@@ -40,6 +42,8 @@ ANYWHERE = [
     "linear", "linear_bias", "linear_wide", "qkv_sum", "wgrad", "relu", "view", "add_self", "cat_batch", "cat_hidden",
     "read0", "read1", "flush0", "flush_both",
     "linear_all_reduce", "linear_all_reduce_c10d", "sum_all_reduce", "all_reduce_max",
+    # row-wise (Note [Row-wise ops on gathered rows]): on a gathered tensor they run chunk by chunk
+    "residual", "bias_row", "minus_row_max", "row_sign_scale",
 ]
 
 
@@ -114,6 +118,14 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pie
                 x = x.reshape(-1, WIDTH).view(x.shape)
             elif step == "add_self":
                 x = x + x
+            elif step == "residual":  # an operand of the same rows, not pending (the residual stream)
+                x = x + signs(x.shape, i)
+            elif step == "bias_row":  # an operand broadcast along the rows
+                x = x + torch.arange(WIDTH, dtype=x.dtype)
+            elif step == "minus_row_max":  # a reduction over the last dim, kept, then elementwise
+                x = x - x.amax(-1, keepdim=True)
+            elif step == "row_sign_scale":  # a row's scale from its own values (row-wise quantization's shape)
+                x = x * torch.sign(x.sum(-1, keepdim=True))
             elif step in ("cat_batch", "cat_hidden"):  # funcol-like chunk + cat that changes nothing
                 dim = 0 if step == "cat_batch" else 2
                 x = torch.cat(x.chunk(2, dim), dim)
