@@ -2,18 +2,23 @@
 
     python benchmarks/memory.py [--m 1024 --k 1024 --n 1024] [--json out.json]
     python benchmarks/memory.py --no-sequence-parallel   # the step in plain TP: all-reduces, row-wise chains
+    python benchmarks/memory.py --at-peak                # and what is live at each step's peak
 
 On 2 gloo ranks, for all-gather + matmul, matmul + reduce-scatter and the
 demo's transformer step (forward + backward), measures the peak of tensor
 memory allocated during the step (the profiler's allocation records; tensors
 that existed before the step are not counted) for unfused eager and eagertp.
 The target: fused peak <= unfused peak + one chunk (the largest per-rank
-chunk of a collective in the step).
+chunk of a collective in the step). ``--at-peak`` also lists, for the
+transformer step, the allocations live at each peak by the op that made
+them (the program's op, its autograd node, and eagertp's function where it
+made a placeholder): where a fused step's extra bytes are.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 
 import _harness
@@ -34,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from eagertp.demo import add_sequence_parallel_arg
 
     add_sequence_parallel_arg(parser)
+    parser.add_argument("--at-peak", action="store_true", help="list the transformer step's live allocations at each peak")
     return parser.parse_args(argv)
 
 
@@ -50,6 +56,51 @@ def peak_bytes(fn) -> int:
         current += e.nbytes()  # negative for a free
         peak = max(peak, current)
     return peak
+
+
+def live_at_peak(fn) -> tuple[int, list[tuple[int, int, str]]]:
+    """The peak bytes allocated while ``fn()`` runs, as ``peak_bytes``, and the
+    allocations live at that point: ``(bytes, count, made by)`` rows, largest
+    first. "Made by": the program's op (and its autograd node), then the
+    innermost eagertp function on the stack if eagertp made it."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+        fn()
+    allocations = []  # (time, address, bytes: negative for a free, made by)
+
+    def walk(node, ops: tuple[str, ...], ours: str) -> None:
+        if node.typed[0] == _EventType.Allocation:
+            found = node.typed[1]
+            allocations.append((node.start_time_ns, found.ptr, found.alloc_size, " > ".join(ops[:2]) + ours))
+            return
+        try:
+            name = node.name
+        except UnicodeDecodeError:  # NB: a Python frame's name the profiler stored cut
+            name = ""
+        if name.startswith("aten::") or name.endswith(("Backward0", "Backward1")):
+            ops += (name.removeprefix("autograd::engine::evaluate_function: "),)
+        elif "/eagertp/" in name and "/eagertp/demo.py" not in name:  # "/.../eagertp/rowwise.py(661): defer"
+            ours = f" [eagertp {name.rsplit('/', 1)[-1].split('(')[0]}:{name.rsplit(': ', 1)[-1]}]"
+        for child in node.children:
+            walk(child, ops, ours)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, (), "")
+    live: dict[int, tuple[int, str]] = {}
+    at_peak: dict[int, tuple[int, str]] = {}
+    current = peak = 0
+    for _, address, nbytes, made_by in sorted(allocations, key=lambda a: a[0]):
+        current += nbytes
+        if nbytes > 0:
+            live[address] = (nbytes, made_by)
+        else:
+            live.pop(address, None)
+        if current > peak:
+            peak, at_peak = current, dict(live)
+    rows = collections.Counter(at_peak.values())
+    return peak, sorted(((n, count, made_by) for (n, made_by), count in rows.items()), key=lambda r: -r[0] * r[1])
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -108,6 +159,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         peak = peak_bytes(fused)
         calls = sum(n for key, n in pipe.stats.items() if key in _FUSED_CALLS)
         results.append({"case": name, "peak_unfused": unfused, "peak_fused": peak, "chunk": chunk, "fused_calls": calls})
+        if args.at_peak and name == "transformer_step":
+            # NB: the run with the median peak of three: a run's peak moves with timing.
+            results[-1]["at_peak"] = {
+                column: sorted((live_at_peak(f) for _ in range(3)), key=lambda r: r[0])[1]
+                for column, f in (("unfused", fn), ("fused", fused))
+            }
     return results
 
 
@@ -143,6 +200,11 @@ def main(argv=None) -> int:
             ],
         )
     )
+    for r in results:
+        for column, (peak, rows) in r.get("at_peak", {}).items():
+            print(f"\n{r['case']}, {column}: live at the peak ({peak / 2**20:.2f} MiB), by what made it:")
+            for nbytes, count, made_by in rows:
+                print(f"  {count:3d} x {nbytes / 2**10:8.1f} KiB  {made_by}")
     _harness.write_json(args.json, {"results": results})
     return 0
 

@@ -88,10 +88,12 @@ three points:
   pending product: the non-absorbed products recorded before that collective
   (one that reads none, such as float8 training's amax all-reduces between a
   layer's backward matmuls, marks none past);
-- at a deferral, a read that completes pending work, or a collective: weight
-  gradients (``is_weight_gradient``) that read a storage nothing but pending
-  work can reach (``orphaned_storages``), and absorbed products nothing can
-  read (dropped, as a flush skips them).
+- at a deferred matmul, a chain's first row-wise op (Note [Memory of a
+  chain] in eagertp.rowwise), a read that completes pending work, or a
+  collective: weight gradients (``is_weight_gradient``) that read a storage
+  nothing but pending work can reach (``orphaned_storages``); at a deferred
+  matmul also the absorbed products nothing can read (dropped, as a flush
+  skips them).
 
 A product whose collective comes later anyway (reversed order, or after
 another collective and a matmul) is computed whole and its collective issued
@@ -890,6 +892,12 @@ def _refs(tensors: dict[int, torch.Tensor]) -> dict[int, int]:
 
 # What _refs reads for a tensor that only its dict holds.
 _REFS_BASE = _refs({0: torch.empty(0)})[0]
+# ... and for a view's base that only its dict and its views hold. NB: one more:
+# a TensorImpl that another C++ owner shares (the view's) keeps a reference to
+# its Python object (torch 2.11-2.13), so a base never reads _REFS_BASE.
+_view = torch.empty(2)[:1]
+_REFS_VIEWED_BASE = _refs({0: _view._base})[0]
+del _view
 
 
 def orphaned_storages(items: Iterable[Pending], among: set[int]) -> set[int]:
@@ -920,7 +928,7 @@ def orphaned_storages(items: Iterable[Pending], among: set[int]) -> set[int]:
         views = collections.Counter(id(t._base) for t in held if t._base is not None)
         base_refs = _refs(bases)
         if any(
-            base_refs[i] != _REFS_BASE or b._use_count() != 1 + views[i] or weakref.getweakrefcount(b)
+            base_refs[i] != _REFS_VIEWED_BASE or b._use_count() != 1 + views[i] or weakref.getweakrefcount(b)
             for i, b in bases.items()
         ):
             continue

@@ -85,6 +85,23 @@ past ``GRAIN_SIZE`` elements ATen splits it over threads at boundaries of
 its own, so a windowed op on a tensor that large, with more than one thread,
 completes the gather instead. Other devices compute each element the same way
 wherever it lies; the windows cost nothing there.
+
+Note [Memory of a chain]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A step's results are made when it is deferred and filled when the gather
+lands, so a chain in flight holds every result it made, where plain eager
+frees each once nothing reads it; and what is pending meanwhile holds its
+inputs. In a plain-TP backward step the chain is the norm's backward and the
+residual add on the MLP's all-reduced input gradient, and when it starts the
+MLP's first weight gradient (``g.t() @ norm_out``) is still pending, holding
+the norm's output, which nothing else references any more: that tensor was
+the fused step's peak over unfused eager's (``benchmarks/memory.py
+--no-sequence-parallel --at-peak``: 7.52 MiB against 7.02). A chain's first op
+therefore computes such weight gradients before it makes its results, as a
+deferred matmul does (Note [Products past their collective] in
+eagertp.deferred): once per chain, not per step (a check costs a few frames),
+and the fused step's peak is unfused eager's. The chain's own results stay
+(they are what the program and autograd hold, or the next step's rows).
 """
 
 from __future__ import annotations
@@ -687,6 +704,11 @@ def defer(
     rule, why = _rule_for(func, args, kwargs, ndim)
     if rule is None:
         return None, why
+    if not gather.steps and not gather.wholes:
+        # NB: a chain's first op, before its results are made: the weight
+        # gradients whose inputs only pending work holds are computed now
+        # (Note [Memory of a chain]).
+        engine.complete_orphaned_weight_gradients(func)
     if rule.split is not None:
         row_args, whole_args = rule.split(args)
     elif rule.whole:

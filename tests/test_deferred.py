@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eagertp.deferred import PendingMatmul, PendingSum
+from eagertp.deferred import PendingMatmul, PendingSum, orphaned_storages, storage_key
 
 aten = torch.ops.aten
 
@@ -55,3 +55,25 @@ def test_sum_terms_and_total():
     total.compute_rows(lambda t: t[1:2], rows)
     torch.testing.assert_close(rows, (a @ b + c @ d)[1:2])
     assert total.render() == "$2: f32[3, 5] = $0 + $1"
+
+
+def _weight_gradient(g: torch.Tensor, x: torch.Tensor) -> PendingMatmul:
+    """``g.t() @ x`` pending, as autograd issues a linear's weight gradient."""
+    return PendingMatmul(aten.mm.default, g.t(), x, torch.empty(2, 2), tid=0)
+
+
+def test_weight_gradient_inputs_only_it_holds_are_orphaned():
+    """Note [Products past their collective]: ``g`` reached only through the
+    transposed view the item holds (its base's Python object then carries a
+    reference from its TensorImpl, which the count expects), ``x`` only by the
+    item; either one held from Python is not orphaned."""
+    item = _weight_gradient(torch.ones(3, 2), torch.ones(3, 2))
+    g_key, x_key = storage_key(item.a), storage_key(item.b)
+    assert orphaned_storages([item], {g_key, x_key}) == {g_key, x_key}
+    g = item.a._base
+    assert orphaned_storages([item], {g_key, x_key}) == {x_key}
+    del g
+    x = item.b
+    assert orphaned_storages([item], {g_key, x_key}) == {g_key}
+    del x
+    assert orphaned_storages([item], {g_key, x_key}) == {g_key, x_key}

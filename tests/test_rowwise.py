@@ -513,6 +513,36 @@ def test_a_bound_matmul_whose_output_a_collective_takes_is_unbound(pool):
         assert "unbound: _c10d_functional.all_reduce.default takes it whole" in r["trace"], r["trace"]
 
 
+def _orphaned_weight_gradient_worker(rank, group):
+    """Note [Memory of a chain]: a weight gradient still pending when a chain
+    starts on an all-reduce's gather half, its input held by nothing else
+    (as autograd drops a layer's activation once its backward has run)."""
+    x, r = (integer_tensor((B * S, D), torch.float32, seed=s + rank) for s in (0, 10))
+    w1, w2 = (integer_tensor((D, D), torch.float32, seed=s) for s in (100, 200))
+
+    def run():
+        y = x @ w1
+        act = x * 2
+        dw = act.t() @ r  # recorded after y: the all-reduce of y does not compute it
+        del act
+        h = F.layer_norm(all_reduce(y, group) + r, [D])
+        return h @ w2, dw
+
+    got, expected, pipe = _plain_then_fused(run)
+    return {"ok": all(torch.equal(g, e) for g, e in zip(got, expected)), "stats": dict(pipe.stats),
+            "trace": pipe.debug_string()}
+
+
+def test_a_chain_computes_first_the_weight_gradients_only_pending_work_holds(pool):
+    for r in pool.run(_orphaned_weight_gradient_worker, 2, timeout=60):
+        assert r["ok"], r
+        assert r["stats"] == {"matmul_all_reduce": 1, "all_gather_matmul": 1, "fused_matmuls": 1, "rowwise_ops": 2}, r
+        lines = r["trace"].splitlines()
+        computed = [i for i, line in enumerate(lines) if "aten.add.Tensor: $" in line and "holds inputs nothing else" in line]
+        first_step = next(i for i, line in enumerate(lines) if "[row-wise]" in line)
+        assert computed and computed[0] < first_step, r["trace"]
+
+
 def _profiler_worker(rank, group):
     x = integer_tensor((S, D), torch.float32, seed=rank)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
