@@ -142,7 +142,7 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
     import torch.distributed._functional_collectives as funcol
 
     from eagertp import EagerMicroPipeline
-    from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
+    from eagertp._compat import cpu_scaled_mm_takes_rowwise_scales, funcol_all_gather, funcol_reduce_scatter
 
     device, backend = ("cpu", "ring") if args.shared_dry_run else ("cuda", "symm_mem")
     if device == "cuda":
@@ -202,7 +202,7 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
         references = {"scaled_rowwise_odd_rows": lambda x: scaled_odd_rows(x, dequantized=True)}
         for op, (program, stat, atol) in cases.items():
             row = {"device": f"{device}:0 shared", "world_size": 2, "op": op, "rank": rank}
-            if op == "scaled_rowwise_odd_rows" and device == "cpu" and not _cpu_scaled_mm_takes_rowwise_scales():
+            if op == "scaled_rowwise_odd_rows" and device == "cpu" and not cpu_scaled_mm_takes_rowwise_scales():
                 row.update(correct=None, fused_ran=None, skipped="this torch's CPU _scaled_mm takes tensor-wise scales only")
                 rows.append(row)
                 continue
@@ -222,19 +222,6 @@ def _shared_rows(rank: int, port: int, args: argparse.Namespace) -> list[dict]:
     finally:
         dist.destroy_process_group()
     return rows
-
-
-def _cpu_scaled_mm_takes_rowwise_scales() -> bool:
-    """CPU ``_scaled_mm`` takes row-wise scales since torch 2.12 (the dry run
-    on CPU skips the row-wise case on older releases; CUDA takes them)."""
-    import torch
-
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
-    except RuntimeError:
-        return False
-    return True
 
 
 def _start_pair(worker, args: argparse.Namespace):

@@ -7,6 +7,7 @@ and deprecates the old names; use the new one where it exists.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import NoReturn
@@ -27,6 +28,20 @@ funcol_is_view_op = getattr(funcol, "_is_view_op", lambda func: True)
 # The address of a tensor's StorageImpl, from C (no Python storage object); a
 # torch without it reads the same address off the storage object.
 storage_id = getattr(torch._C, "_storage_id", None) or (lambda t: t.untyped_storage()._cdata)
+
+
+@functools.cache
+def cpu_scaled_mm_takes_rowwise_scales() -> bool:
+    """CPU ``_scaled_mm`` takes row-wise scales from torch 2.12; 2.11's takes
+    tensor-wise ones only (CUDA takes both on every supported release). For
+    the tests and the GPU check's CPU dry run, whose plain-eager references
+    need it."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def exit_spawned_rank(code: int) -> NoReturn:

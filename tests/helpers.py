@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 from collections.abc import Iterator
 from unittest import mock
 
@@ -13,7 +12,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
+from eagertp._compat import cpu_scaled_mm_takes_rowwise_scales, funcol_all_gather, funcol_reduce_scatter
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 FP8 = torch.float8_e4m3fn
@@ -188,19 +187,6 @@ def with_small_pieces(rank, group, worker, *args):
         return worker(rank, group, *args)
     finally:
         ring.PIECES.update(saved)
-
-
-@functools.cache
-def cpu_scaled_mm_takes_rowwise_scales() -> bool:
-    """CPU ``_scaled_mm`` takes row-wise scales since torch 2.12; before, only
-    tensor-wise (plain eager raises, so there is nothing to compare against)."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    b = torch.ones(16, 16).to(torch.float8_e4m3fn).t()
-    try:
-        torch._scaled_mm(a, b, torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
-    except RuntimeError:
-        return False
-    return True
 
 
 # A test or case that runs CPU ``_scaled_mm`` with row-wise scales (torch 2.12 on).

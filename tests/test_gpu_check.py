@@ -9,7 +9,7 @@ import pathlib
 import subprocess
 import sys
 
-from helpers import cpu_scaled_mm_takes_rowwise_scales
+from eagertp._compat import cpu_scaled_mm_takes_rowwise_scales
 
 
 def test_gpu_check_shared_device_part_runs_on_cpu():
