@@ -41,7 +41,7 @@ from eagertp.deferred import (
     tensor_leaves,
 )
 from eagertp.issuing import IssuingWork, profiler_range
-from eagertp.operands import match_gather_operand, matmul_out_dtype, same_views
+from eagertp.operands import OTHER_PENDING_OPERAND, match_gather_operand, matmul_out_dtype, same_views
 from eagertp.patterns import gather_signature, gathered_product, shard_producer
 from eagertp.trace import Meta, Reason
 from eagertp.verify import check_equal, check_ranks_agree
@@ -254,6 +254,9 @@ class Deferring:
             self.complete_work_past(func, self.before_collective)
         if self.store.items:  # NB: again: what the call above completed may have emptied it
             gather, view, operand, scale_gather, why_not = match_gather_operand(self.store, a, b, bias, scaled)
+            if why_not is OTHER_PENDING_OPERAND:
+                self._complete_beside(gather, func, args, kwargs)
+                gather, view, operand, scale_gather, why_not = match_gather_operand(self.store, a, b, bias, scaled)
             if why_not is not None:
                 self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
             elif gather is None:
@@ -282,6 +285,16 @@ class Deferring:
         if self.trace.recording:  # Note [The ordered trace when asked] in eagertp.trace
             self.trace.events.append(mm.trace_event())  # NB: what Trace.event records, one frame shorter
         return mm.out
+
+    def _complete_beside(self, gather: PendingGather, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+        """Complete the pending work a matmul on ``gather`` reads beside the
+        gathered tensor (``OTHER_PENDING_OPERAND``), and only that: ``gather``
+        stays in flight for the matmul to join."""
+        others = [p for p in self.store.owners(tensor_leaves(args, kwargs)) if p is not gather]
+        reason = Reason("{} reads ${} beside a gather in flight", func, others[-1].tid)
+        if self.trace.recording:
+            self.trace.event("wait: {}", reason)
+        self.complete(others, reason)
 
     def defer_cast(self, gather: PendingGather, source: GatheredView, dtype: torch.dtype) -> torch.Tensor:
         view = GatheredView(

@@ -62,8 +62,21 @@ def match_gather_operand(
     if scale_gather is not None or own_scale:
         others = [t for t in others if t is not scaled.scale_a]
     if store.touched(others) is not None:
-        return None, None, None, None, "has a second pending operand"
+        if gather in store.owners(others):
+            return None, None, None, None, "has a second pending operand of the same gather"
+        return gather, None, None, None, OTHER_PENDING_OPERAND
     return gather, view, operand, scale_gather, None
+
+
+# ``match_gather_operand``'s answer (with the gather) for a matmul on a gather
+# in flight whose other operands are pending work of other items: the caller
+# completes those (plain eager made them before this matmul: a product, or
+# another gather with its consumers) and matches again, the gather still in
+# flight. A weight gradient whose output gradient is itself a matmul's, two
+# linears with nothing between them (a checkpointed SP layer's recompute
+# gathers the input again while the output gradient's gather is pending).
+OTHER_PENDING_OPERAND = "reads other pending work beside the gathered tensor"
+
 
 def _match_scale_gather(
     store: PendingStore, gather: PendingGather, view: GatheredView, a: torch.Tensor, scale_a: torch.Tensor
@@ -73,7 +86,7 @@ def _match_scale_gather(
     rank as A's rows are; or None and why not (Note [Gathered row-wise scales])."""
     found = store.gathered_view_of(scale_a)
     if found is None or found[0] is gather:
-        return None, None  # a pending product, or A's own gather: "a second pending operand"
+        return None, None  # a pending product (made first: OTHER_PENDING_OPERAND), or A's own gather
     scale_gather, scale_view = found
     what = f"reads its row-wise scale_a {tensor_str(scale_a)} from all_gather #{scale_gather.record.index}"
     if scale_gather.group.group_name != gather.group.group_name:

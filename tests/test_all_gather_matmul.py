@@ -303,6 +303,44 @@ def test_contracting_matmuls_explained(pool):
     assert_expected_inline(r0["explain"], """all_gather #0 f32[3, 8] -> f32[6, 8] on group '2' (2 ranks): fused with mm -> $1, mm (gathered A.t()) -> $2, mm (gathered B) -> $3 [ring]""")
 
 
+def _product_operand_worker(rank, group, form, order):
+    """A contraction over the gathered rows whose other operand is a pending
+    product (a weight gradient whose output gradient is a matmul's: two
+    linears with nothing between them, as a checkpointed SP layer recomputes
+    them): the product is computed, the gather stays in flight and the
+    matmul joins it. ``order``: the product made before or after the gather
+    started."""
+    world = group.size()
+    x = integer_tensor((3, 8), torch.float32, seed=rank)
+    d = integer_tensor((3 * world, 4), torch.float32, seed=60)
+    w = integer_tensor((4, 6), torch.float32, seed=61)
+
+    def run():
+        if order == "product_first":
+            h = d @ w
+            g = all_gather(x, group)
+        else:
+            g = all_gather(x, group)
+            h = d @ w
+        return g.t() @ h if form == "rows_t" else h.t() @ g
+
+    expected = run()
+    with OpCounter() as counter, EagerMicroPipeline(min_fuse_bytes=0, trace=True) as pipe:
+        got = run()
+    return {"ok": torch.equal(got, expected), "trace": pipe.debug_string(), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize("order", ["product_first", "gather_first"])
+@pytest.mark.parametrize("form", ["rows_t", "b_rows"])
+def test_a_pending_product_beside_the_gathered_rows_is_made_and_the_matmul_joins(pool, form, order):
+    for r in pool.run(_product_operand_worker, 2, form, order):
+        assert r["ok"], r
+        _assert_fused(r, calls=1, matmuls=1)
+        # Made first: as a product past its collective (the gather), or as the matmul's operand.
+        made = "is past its collective" if order == "product_first" else "aten.mm.default reads $1 beside a gather in flight"
+        assert made in r["trace"], r["trace"]
+
+
 # -- autograd ------------------------------------------------------------------
 
 
