@@ -3,8 +3,11 @@
 and the matmul work that overlapped each gather (Note [Overlap accounting]).
 
 ``Accounting`` is one of ``Engine``'s parts (``eagertp.engine``): it works on
-the engine's ``stats``, ``trace`` and ``store``; ``issue_as_is`` completes
-what the collective reads through the engine's completion first.
+the engine's ``stats``, ``trace``, ``store``, ``matmul_work`` and
+``before_collective``; ``issue_as_is`` completes what the collective reads
+through the engine's completion first (``product_read``, ``complete_for``,
+``complete_work_past``), checks ranks under ``verify`` and refreshes the
+``unseen`` watch.
 """
 
 from __future__ import annotations

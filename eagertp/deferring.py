@@ -6,9 +6,11 @@ happens.
 
 ``Deferring`` is one of ``Engine``'s parts (``eagertp.engine``): it works on the
 engine's state (``store``, ``trace``, ``stats``, ``backend``, ``verify``,
-``poison``, ``matmul_work``) and completes what it must through the engine's
-completion (``complete_owners``, ``complete_for``, ``complete_before``,
-``complete_work_past``).
+``poison``, ``matmul_work``, ``before_collective``, ``_deferral_bytes``),
+completes what it must through the engine's completion (``complete``,
+``complete_owners``, ``complete_for``, ``complete_before``,
+``complete_work_past``) and records through ``Accounting`` (``new_record``,
+``count_matmul_work``).
 """
 
 from __future__ import annotations
