@@ -6,8 +6,10 @@ transformers shards each with its family's own plan and runs TP without
 sequence parallel, i.e. on all-reduces. Llama: colwise q/k/v/gate/up, rowwise
 o/down, a vocab-sharded embedding, a colwise lm_head gathered before the loss.
 Qwen3, Mixtral and Phi-3 add what other plans do: all-reduced norm-weight
-gradients, MoE experts, products all-gathered along the last dim
-(``_OTHER_PLANS``). One forward + backward under ``EagerMicroPipeline`` must
+gradients, MoE experts, products all-gathered along the last dim; Gemma-2,
+Cohere, OLMo-2 and Nemotron what other models do between the same
+collectives: other norms in other places, attention and MLP in parallel,
+q/k norms over gathered products (``_OTHER_PLANS``). One forward + backward under ``EagerMicroPipeline`` must
 equal plain eager (logits, loss, every gradient), every all-reduce of a matmul
 output must be fused, and every other collective unfused with its reason;
 every family run again with every shard in pieces, on a batch of two and
@@ -33,7 +35,7 @@ import os
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from helpers import OpCounter, explained_collectives, explained_kind
+from helpers import OpCounter, PlainCollectives, explained_collectives, explained_kind
 from multirank import WORLD
 
 from eagertp import EagerMicroPipeline
@@ -41,7 +43,7 @@ from eagertp import EagerMicroPipeline
 # Families also run with every shard in pieces (Note [Pieces]): their gathers
 # of matmul outputs then make the product as they send it, and every
 # all-reduce runs its piecewise pipeline.
-_IN_PIECES = ("llama", "qwen3", "mixtral", "phi3")
+_IN_PIECES = ("llama", "qwen3", "mixtral", "phi3", "olmo2")
 
 # family -> its config beyond the shared tiny shape (4 heads and 4 KV heads:
 # split over the pool's 4 ranks). What each plan adds: _OTHER_PLANS.
@@ -50,6 +52,10 @@ _FAMILIES = {
     "qwen3": {},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "phi3": {},
+    "gemma2": {},
+    "cohere": {},
+    "olmo2": {},
+    "nemotron": {},
 }
 
 
@@ -137,7 +143,9 @@ def _compare_step(model, in_pieces: bool = False, batch: int = 2) -> dict:
         # placements transformers' plan makes (a ValueError in plain eager).
         return {n: (t.to_local(), t.placements) if hasattr(t, "to_local") else (t, None) for n, t in tensors.items()}
 
-    eager_counter = OpCounter()
+    # NB: not an OpCounter: a mode that runs a subclass's op whole does not see
+    # the collectives DTensor issues inside its own dispatch (Gemma-2's).
+    eager_counter = PlainCollectives()
     with eager_counter:
         expected = local(step(contextlib.nullcontext()))
     counter, pipe = OpCounter(), EagerMicroPipeline()
@@ -262,6 +270,12 @@ _GENERATE_STATS = {
     "mixtral": {"matmul_all_reduce": 8, "unfused_all_reduce": 12, "unfused_all_gather": 4, "rowwise_ops": 136, "all_gather_matmul": 16, "fused_matmuls": 32},
     # Its packed qkv and gate_up products are gathered: made as they are sent, not bound.
     "phi3": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 20, "rowwise_ops": 152},
+    # Its soft-capped logits: the last position's gathered for the sampler's division.
+    "gemma2": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4, "rowwise_ops": 236, "all_gather_matmul": 16, "fused_matmuls": 32},
+    "cohere": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4, "rowwise_ops": 124, "all_gather_matmul": 8, "fused_matmuls": 24},
+    # Its q and k products gathered for their norms, in every forward (4 + 24).
+    "olmo2": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 28, "rowwise_ops": 136, "all_gather_matmul": 8, "fused_matmuls": 8},
+    "nemotron": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4, "rowwise_ops": 36, "all_gather_matmul": 16, "fused_matmuls": 32},
 }
 
 
@@ -375,6 +389,50 @@ _OTHER_PLANS = {
         [(1, "not fused [ring]: its input is not the pending output of a matmul"),
          (9, "not fused [ring]: no matmul consumed it before ")],
     ),
+    # Llama's collectives, with Gemma's idioms between them: embeddings scaled
+    # by sqrt(hidden), RMSNorm weights applied as (1 + w), a norm after each
+    # sublayer as well as before it (both row by row on the gather halves),
+    # soft-capped logits (lm_head's gather read by a division). The embedding's
+    # all-reduce runs inside DTensor's dispatch of that scaling, where a mode
+    # that runs a subclass's op whole (an OpCounter) does not see it.
+    "gemma2": (
+        {"all_reduce": 16, "all_gather_into_tensor": 1},
+        {"matmul_all_reduce": 15, "unfused_all_reduce": 1, "unfused_all_gather": 1, "rowwise_ops": 169, "all_gather_matmul": 8, "fused_matmuls": 16},
+        {},
+        [(1, "not fused [ring]: its input is not the pending output of a matmul"),
+         (1, "not fused [ring]: no matmul consumed it before aten.div.Tensor")],
+    ),
+    # Attention and MLP in parallel on one LayerNorm (mean-centred, no bias):
+    # each block's residual sums both all-reduced outputs, which the next
+    # norm reads chunk by chunk; the MLP's gate and up run after attention
+    # has read the normed rows whole, so only q, k, v bind to each gather.
+    "cohere": (
+        {"all_reduce": 16, "all_gather_into_tensor": 1},
+        {"matmul_all_reduce": 15, "unfused_all_reduce": 1, "unfused_all_gather": 1, "rowwise_ops": 95, "all_gather_matmul": 4, "fused_matmuls": 10},
+        {},
+        [(1, "not fused [ring]: its input is not the pending output of a matmul"),
+         (1, "not fused [ring]: no matmul consumed it before aten.mul.Tensor")],
+    ),
+    # Norms after each sublayer only, and q/k norms over the whole projection:
+    # the plan gathers the q and k products (forward) and their gradients'
+    # inputs (backward) along the last dim, elementwise consumers, made first
+    # at these sizes (in pieces: test_hf_gathers_of_matmul_outputs_made_as_they_are_sent).
+    "olmo2": (
+        {"all_reduce": 16, "all_gather_into_tensor": 9},
+        {"matmul_all_reduce": 15, "unfused_all_reduce": 1, "unfused_all_gather": 9, "rowwise_ops": 99, "all_gather_matmul": 6, "fused_matmuls": 8},
+        {},
+        [(1, "not fused [ring]: its input is not the pending output of a matmul"),
+         (9, "not fused [ring]: no matmul consumed it before ")],
+    ),
+    # LayerNorm with a bias (native_layer_norm row by row) and an MLP with no
+    # gate (up, relu^2, down): 13 matmul all-reduces.
+    "nemotron": (
+        {"all_reduce": 14, "all_gather_into_tensor": 1},
+        {"matmul_all_reduce": 13, "unfused_all_reduce": 1, "unfused_all_gather": 1, "rowwise_ops": 27, "all_gather_matmul": 8, "fused_matmuls": 16},
+        {},
+        [(1, "not fused [ring]: its input is not the pending output of a matmul"),
+         (1, "not fused [ring]: no matmul consumed it before aten._log_softmax.default")],
+    ),
 }
 
 
@@ -408,6 +466,8 @@ _GATHERS_IN_PIECES = {
     # Phi-3's "colwise_gather_output": qkv and gate_up products forward, the
     # "rowwise_split_input" gradients backward, and lm_head's logits.
     "phi3": ({"matmul_all_gather": 9, "matmul_all_reduce": 9, "unfused_all_reduce": 1, "rowwise_ops": 93, "all_gather_matmul": 4, "fused_matmuls": 4}, 9),
+    # OLMo-2's q and k products forward, their gradients' inputs backward, and lm_head's logits.
+    "olmo2": ({"matmul_all_gather": 9, "matmul_all_reduce": 15, "unfused_all_reduce": 1, "rowwise_ops": 99, "all_gather_matmul": 6, "fused_matmuls": 8}, 9),
 }
 
 
