@@ -551,6 +551,11 @@ class PendingMatmul(_Standalone):
     scale_gather: PendingGather | None = None
     # In-place elementwise ops on the whole output, in order (Note [Epilogues]).
     epilogues: list[Epilogue] = dataclasses.field(default_factory=list)
+    # A standalone matmul's place among the block's matmuls, and the collectives
+    # issued before it was deferred (Note [Deferrals that gained nothing] in
+    # eagertp.deferring); -1: not remembered.
+    ordinal: int = -1
+    issued_at: int = 0
 
     @property
     def name(self) -> str:

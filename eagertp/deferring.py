@@ -6,7 +6,8 @@ happens.
 
 ``Deferring`` is one of ``Engine``'s parts (``eagertp.engine``): it works on the
 engine's state (``store``, ``trace``, ``stats``, ``backend``, ``verify``,
-``poison``, ``matmul_work``, ``before_collective``, ``_deferral_bytes``),
+``poison``, ``matmul_work``, ``before_collective``, ``_deferral_bytes``,
+``matmul_ordinal``, ``read_whole``, ``read_whole_now``, ``ran_at_once``),
 completes what it must through the engine's completion (``complete``,
 ``complete_owners``, ``complete_for``, ``complete_before``,
 ``complete_work_past``) and records through ``Accounting`` (``new_record``,
@@ -52,6 +53,40 @@ from eagertp.verify import check_equal, check_ranks_agree
 # matmul: float32, also after autocast's cast of a half-precision one. (A cast
 # to float64 of a matmul small by this bound is issued unfused: still right.)
 _WIDEST_CAST = 4
+
+# Note [Deferrals that gained nothing]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A matmul is deferred because what follows may take it chunk by chunk (a
+# reduce-scatter or all-reduce of its output, a sum or cast of it, a gather
+# started behind which it runs). Most matmuls of a training step are instead
+# read whole by the next op with no collective issued since (attention reading
+# q, k and v; autograd accumulating a weight gradient): the deferral, about 25
+# Python frames between recording it and computing it at the read, gained
+# nothing, since the matmul then ran with the same communication in flight
+# as when the program issued it, or less.
+#
+# Training loops issue the same matmuls in the same order every step, and
+# enter the same pipeline once a step. So the engine remembers, for the
+# block just ended, each standalone matmul computed whole with no collective
+# issued since its deferral (on any group), by its place among the block's
+# matmuls, its op and its operands' shapes; in the next block a matmul that
+# matches one runs at once (``stats["matmuls_run_at_once"]``), unless an
+# operand is pending. Nothing but when the matmul runs changes: its result is
+# plain eager's either way, and no collective's messages depend on it
+# (Invariant 2).
+#
+# Where the program changed between blocks, a collective may now take the
+# output of a matmul that ran at once, and cannot fuse with it. Its reason
+# says so, naming that matmul where the collective reads its output itself
+# (which then defers again from the next block), or that matmuls ran at once
+# where it reads something made from one (a cast, a sum). And a block that
+# ran matmuls at once must end with the stats of the block before (every
+# block of an unchanged step does: what fused and what did not); one that
+# does not teaches nothing, so the next block defers every matmul, as a
+# pipeline's first block does, and remembers again. A block left by an
+# exception teaches nothing either. At most _MAX_REMEMBERED matmuls a block:
+# a program that never leaves its block gains nothing and holds nothing more.
+_MAX_REMEMBERED = 1 << 16
 
 
 class Deferring:
@@ -226,6 +261,35 @@ class Deferring:
         self.count_matmul_work()
         return func(*args, **kwargs)
 
+    def _run_at_once(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, ordinal: int, known: tuple) -> Any:
+        """Run a matmul the block before read whole at once (Note [Deferrals that
+        gained nothing]), after what its deferral would have completed first."""
+        if self.store.items:
+            self.complete_work_past(func, self.before_collective)
+        self.read_whole_now[ordinal] = known
+        self.stats["matmuls_run_at_once"] += 1
+        out = self.run_matmul(func, args, kwargs)
+        self.ran_at_once[storage_key(out)] = ordinal
+        return out
+
+    def not_pending_reason(self, inp: torch.Tensor) -> str:
+        """Why a collective cannot take ``inp`` from a matmul: it is no pending
+        product, perhaps since a matmul run at once made it (Note [Deferrals
+        that gained nothing]; that one defers again from the next block)."""
+        if not self.ran_at_once:
+            return "its input is not the pending output of a matmul"
+        ordinal = self.ran_at_once.get(storage_key(inp))
+        if ordinal is not None:
+            self.read_whole_now.pop(ordinal, None)
+            return (
+                "its input is the output of a matmul run at once, since the block before read it whole "
+                "(Note [Deferrals that gained nothing]); from the next block on it defers"
+            )
+        return (
+            f"its input is not the pending output of a matmul ({len(self.ran_at_once)} matmuls ran at once "
+            "in this block, as the block before read them whole: Note [Deferrals that gained nothing])"
+        )
+
     def defer_matmul(
         self,
         func: torch._ops.OpOverload,
@@ -237,7 +301,11 @@ class Deferring:
         scaled: Scaled | None = None,
     ) -> torch.Tensor:
         """Defer a matmul: as a consumer of the gather in flight it reads, or
-        standalone (a reduce-scatter may follow: Note [Deferral boundary])."""
+        standalone (a reduce-scatter may follow: Note [Deferral boundary]),
+        or run it at once where the block before read it whole (Note
+        [Deferrals that gained nothing])."""
+        ordinal = self.matmul_ordinal
+        self.matmul_ordinal = ordinal + 1
         if not self.store.items and a.dim() == 2 and b.dim() == 2:
             # NB: the hot path of small matmuls.
             if self.never_fused(a.shape[0], b.shape[1], a.device.type):
@@ -251,6 +319,10 @@ class Deferring:
                 self.complete_owners(tensors, func, f"reads it with operands that do not defer ({rejected})")
                 self.complete_for(func, args, kwargs)
             return self.run_matmul(func, args, kwargs)
+        known = self.read_whole.get(ordinal)
+        if known is not None and known[0] is func and known[1] == a.shape and known[2] == b.shape:
+            if not self.store.items or self.store.touched(tensor_leaves(args, kwargs)) is None:
+                return self._run_at_once(func, args, kwargs, ordinal, known)
         gather, view, operand, scale_gather = None, None, None, None
         if self.store.items:
             self.complete_work_past(func, self.before_collective)
@@ -279,6 +351,8 @@ class Deferring:
             scale_gather=scale_gather,
         )
         if gather is None:
+            if ordinal < _MAX_REMEMBERED:
+                mm.ordinal, mm.issued_at = ordinal, self.trace.issued
             self.store.add_product(mm)
         else:
             self.store.add_consumer(gather, mm)

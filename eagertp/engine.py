@@ -45,6 +45,7 @@ from eagertp.backends import BackendChoice
 from eagertp.deferred import (
     Pending,
     PendingGather,
+    PendingMatmul,
     PendingStore,
     Product,
     is_weight_gradient,
@@ -102,6 +103,17 @@ class Engine(Deferring, Accounting):
         # Communication on managed groups the mode did not see (Note [Collectives
         # the mode did not see] in eagertp.unseen).
         self.unseen = Unseen()
+        # Note [Deferrals that gained nothing] in eagertp.deferring: the
+        # matmuls the block before read whole, by their place among its
+        # matmuls -> (op, A's shape, B's shape); those of this block; this
+        # block's matmuls so far; the stats the block before ended with
+        # (None: nothing to compare with).
+        self.read_whole: dict[int, tuple] = {}
+        self.read_whole_now: dict[int, tuple] = {}
+        self.matmul_ordinal = 0
+        self._stats_before: dict[str, int] | None = None
+        # This block's matmuls run at once: output storage -> place.
+        self.ran_at_once: dict[int, int] = {}
 
     def reset(self) -> None:
         self.stats.clear()
@@ -111,6 +123,27 @@ class Engine(Deferring, Accounting):
         self._deferral_bytes.clear()
         self.before_collective = -1
         self.unseen.reset()
+        self.read_whole_now = {}
+        self.ran_at_once = {}
+        self.matmul_ordinal = 0
+
+    def end_block(self, completed: bool) -> None:
+        """What the next block runs at once (Note [Deferrals that gained nothing]
+        in eagertp.deferring): this block's matmuls read whole, unless it ended
+        by an exception, or ran matmuls at once and fused otherwise than the
+        block before."""
+        stats = dict(self.stats)
+        ran = stats.pop("matmuls_run_at_once", 0)
+        learned = completed
+        if ran and stats != self._stats_before:
+            log.debug(
+                "eagertp: this block ran %d matmuls at once and fused otherwise than the block before "
+                "(%s, then %s): the next block defers every matmul", ran, self._stats_before, stats,
+            )
+            learned = False
+        self.read_whole = self.read_whole_now if learned else {}
+        self.read_whole_now, self.ran_at_once = {}, {}
+        self._stats_before = stats if completed else None
 
     def managed_group(self, func, group_size: int, group_name: Any) -> dist.ProcessGroup | None:
         """The collective's group if the mode manages it, else None (it passes
@@ -470,6 +503,11 @@ class Engine(Deferring, Accounting):
                 else:
                     self.count_matmul_work()
                     item.issue_standalone()
+                    if (
+                        type(item) is PendingMatmul and item.ordinal >= 0 and item.issued_at == self.trace.issued
+                        and not item.absorbed
+                    ):  # read whole, nothing issued since its deferral: Note [Deferrals that gained nothing]
+                        self.read_whole_now[item.ordinal] = (item.op, item.a.shape, item.b.shape)
             except BaseException as e:  # noqa: B036 - returned, raised by the caller
                 failure = failure or e
         return failure

@@ -173,10 +173,12 @@ class EagerMicroPipeline:
             mode.__exit__(None, None, None)
         finally:
             stance.__exit__(None, None, None)
+        completed = False
         try:
             reason = "block exited" if exc is None else f"block exited by {exc_type.__name__}"
             self._engine.flush(reason)
             self._engine.check_unseen()  # Note [Collectives the mode did not see]
+            completed = exc is None
         except Exception:
             if exc is None:
                 raise
@@ -184,6 +186,7 @@ class EagerMicroPipeline:
             log.exception("eagertp: flush while leaving the block after %r failed", exc)
         finally:
             self._engine.unseen.reset()  # NB: holds no group between blocks
+            self._engine.end_block(completed)  # Note [Deferrals that gained nothing] in eagertp.deferring
 
     # -- public API --------------------------------------------------------
 

@@ -203,6 +203,9 @@ class Trace:
             maxlen=max_records
         )
         self.dropped = 0  # collective records pushed out of the bounded log
+        # Collectives issued in the block, on any group (Note [Deferrals that
+        # gained nothing] in eagertp.deferring).
+        self.issued = 0
         self._next_index: collections.Counter[str] = collections.Counter()
         # (op, group) -> count: collectives on groups the pipeline does not
         # manage, passed through untouched (bounded by the program's ops x groups).
@@ -234,6 +237,7 @@ class Trace:
             kind, self._next_index[kind], src=src, dst=dst, group=group_text
         )
         self._next_index[kind] += 1
+        self.issued += 1
         if len(self.collectives) == self.collectives.maxlen:
             self.dropped += 1
         self.collectives.append(record)
@@ -256,6 +260,7 @@ class Trace:
 
     def pass_through(self, func: Any, group: str) -> None:
         """Count a collective on ``group``, which the pipeline does not manage."""
+        self.issued += 1
         key = (str(func), group)
         if key not in self.passed_through:
             log.debug("eagertp: %s on %s passes through: not a managed group", *key)

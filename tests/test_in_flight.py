@@ -611,5 +611,6 @@ def _watcher_threads_worker(rank, group):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_watcher_threads_end_with_their_gathers(pool):
     for r in pool.run(_watcher_threads_worker, 2):
-        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1}, r
+        # (a @ w) ran at once after the first block (Note [Deferrals that gained nothing]).
+        assert r["stats"] == {"all_gather_matmul": 1, "fused_matmuls": 1, "matmuls_run_at_once": 1}, r
         assert r["after"] <= r["before"], r

@@ -112,7 +112,7 @@ def all_reduce(
     # (Note [Products past their collective]: float8's amax all-reduces).
     record = engine.new_record(kind, inp, result, group, marks_past=engine.store.touched([inp]) is not None)
     found = engine.store.standalone_output(inp) if engine.store.items else None
-    why_not = _why_not_fuse_all_reduce(found, shard)
+    why_not = _why_not_fuse_all_reduce(found, shard) if found is not None else engine.not_pending_reason(inp)
     if why_not is None:
         product, _ = found
         if in_place:  # the all-reduce overwrites its output: nothing reads the product after

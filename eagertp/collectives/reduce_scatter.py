@@ -64,9 +64,7 @@ def reduce_scatter(
     # NB: one that reads no pending product marks none past its collective.
     record = engine.new_record(kind, inp, out, group, marks_past=engine.store.touched([inp]) is not None)
     found = engine.store.standalone_output(inp) if engine.store.items else None
-    why_not = why_not_produce(found, out) if found is not None else (
-        "its input is not the pending output of a matmul"
-    )
+    why_not = why_not_produce(found, out) if found is not None else engine.not_pending_reason(inp)
     if found is not None and why_not is None:
         product, scatter_view = found
         engine.complete_before(func, product)  # NB: before the scatter allocates its buffers
