@@ -84,9 +84,9 @@ def _fsdp_tp_worker(rank, group):
         fully_shard(model, mesh=mesh["dp"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, steps = [], []
+        pipe = EagerMicroPipeline(group=tp_group) if use_eagertp else None  # one for the loop, as the README
         for step in range(STEPS):
             x, target = batch(step)
-            pipe = EagerMicroPipeline(group=tp_group) if use_eagertp else None
             counter = GroupOpCounter()
             with counter, pipe if pipe is not None else contextlib.nullcontext():
                 loss = F.mse_loss(model(x), target)
@@ -125,6 +125,12 @@ def test_fsdp2_and_tp_on_a_2x2_mesh(pool):
         assert r["params"].keys() == r["plain_params"].keys()
         for name, p in r["params"].items():
             torch.testing.assert_close(p, r["plain_params"][name], rtol=1e-4, atol=1e-6, msg=f"{where}, {name}")
+        # One pipeline for the loop: from the second step on it runs at once the
+        # matmuls the step before read whole (Note [Deferrals that gained
+        # nothing]), and fuses as the first step did.
+        at_once = [s["stats"].pop("matmuls_run_at_once", 0) for s in r["steps"]]
+        assert at_once[0] == 0 and at_once[1] == at_once[2] > 0, (where, at_once)
+        assert all(s["stats"] == r["steps"][0]["stats"] for s in r["steps"][1:]), (where, r["steps"])
         for step, (plain, fused) in enumerate(zip(r["plain_steps"], r["steps"])):
             pc, fc, stats = plain["collectives"], fused["collectives"], fused["stats"]
             info = f"{where}, step {step}: plain {pc}, eagertp {fc}, stats {stats}\n{fused['explain']}"
