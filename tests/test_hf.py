@@ -104,6 +104,8 @@ def _hf_worker(rank, group, path, families):
         reports[family] = _compare_step(model)
         reports[f"{family} generate"] = _compare_generate(model)
         if family == "llama":
+            pipe = EagerMicroPipeline()  # one for two steps, as a training loop keeps it
+            reports["llama twice"] = [_compare_step(model, pipe=pipe) for _ in range(2)]
             model.train()  # HF checkpoints its layers in training only
             for reentrant in (False, True):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -123,9 +125,10 @@ def _hf_worker(rank, group, path, families):
     return reports
 
 
-def _compare_step(model, in_pieces: bool = False, batch: int = 2) -> dict:
-    """One forward + backward, plain eager then under EagerMicroPipeline: are
-    the logits, the loss and every gradient close, and what ran."""
+def _compare_step(model, in_pieces: bool = False, batch: int = 2, pipe: EagerMicroPipeline | None = None) -> dict:
+    """One forward + backward, plain eager then under EagerMicroPipeline
+    (``pipe``, or a new one): are the logits, the loss and every gradient
+    close, and what ran."""
     # 16 rows (split over 4 ranks), as 2 sequences of 8 or one of 16
     ids = torch.randint(0, 128, (batch, 16 // batch), generator=torch.Generator().manual_seed(1))
 
@@ -148,7 +151,7 @@ def _compare_step(model, in_pieces: bool = False, batch: int = 2) -> dict:
     eager_counter = PlainCollectives()
     with eager_counter:
         expected = local(step(contextlib.nullcontext()))
-    counter, pipe = OpCounter(), EagerMicroPipeline()
+    counter, pipe = OpCounter(), pipe or EagerMicroPipeline()
     with counter, _small_pieces() if in_pieces else contextlib.nullcontext():
         got = local(step(pipe))
     mismatches = {}
@@ -300,6 +303,17 @@ def test_hf_generate_under_inference_mode_fuses_every_matmul_all_reduce(hf_repor
      4 x all_reduce(sum) not fused [ring]: its input is not the pending output of a matmul
     16 x all_reduce(sum) fused [ring]
      4 x all_gather not fused [ring]: no matmul consumed it before aten._to_copy.default read $…, and none ran while it was in flight; mm -> $… made its shard first: f32[4, 1, 32] travels in one piece (Note [Pieces]): nothing to overlap its making with""")
+
+
+def test_hf_llama_steps_with_one_pipeline_run_at_once_what_the_step_before_read_whole(hf_reports):
+    """Two steps in one pipeline: the second runs at once the matmuls the first
+    deferred and read whole with no collective issued since (Note [Deferrals
+    that gained nothing]) and fuses as the first did; both are plain eager's."""
+    for first, second in hf_reports["llama twice"]:
+        _check_common([first, second], "llama")
+        assert "matmuls_run_at_once" not in first["stats"], first["stats"]
+        assert second["stats"].pop("matmuls_run_at_once", 0) > 0, second["stats"]
+        assert first["stats"] == second["stats"], (first["stats"], second["stats"])
 
 
 def test_hf_fsdp_and_tp_fuses_the_tp_all_reduces(hf_reports):
