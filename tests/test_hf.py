@@ -40,6 +40,11 @@ from multirank import WORLD
 
 from eagertp import EagerMicroPipeline
 
+# torch 2.11's DTensor scales Gemma's embedding (by sqrt(hidden)) before its
+# all-reduce, 2.12 on after it: one row-wise op fewer per forward on the
+# all-reduce's gather half there.
+_GEMMA_SCALE_BEFORE_ALL_REDUCE = int(torch.__version__ < "2.12")
+
 # Families also run with every shard in pieces (Note [Pieces]): their gathers
 # of matmul outputs then make the product as they send it, and every
 # all-reduce runs its piecewise pipeline.
@@ -274,7 +279,8 @@ _GENERATE_STATS = {
     # Its packed qkv and gate_up products are gathered: made as they are sent, not bound.
     "phi3": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 20, "rowwise_ops": 152},
     # Its soft-capped logits: the last position's gathered for the sampler's division.
-    "gemma2": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4, "rowwise_ops": 236, "all_gather_matmul": 16, "fused_matmuls": 32},
+    "gemma2": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4,
+               "rowwise_ops": 236 - 4 * _GEMMA_SCALE_BEFORE_ALL_REDUCE, "all_gather_matmul": 16, "fused_matmuls": 32},
     "cohere": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 4, "rowwise_ops": 124, "all_gather_matmul": 8, "fused_matmuls": 24},
     # Its q and k products gathered for their norms, in every forward (4 + 24).
     "olmo2": {"matmul_all_reduce": 16, "unfused_all_reduce": 4, "unfused_all_gather": 28, "rowwise_ops": 136, "all_gather_matmul": 8, "fused_matmuls": 8},
@@ -407,11 +413,12 @@ _OTHER_PLANS = {
     # by sqrt(hidden), RMSNorm weights applied as (1 + w), a norm after each
     # sublayer as well as before it (both row by row on the gather halves),
     # soft-capped logits (lm_head's gather read by a division). The embedding's
-    # all-reduce runs inside DTensor's dispatch of that scaling, where a mode
-    # that runs a subclass's op whole (an OpCounter) does not see it.
+    # all-reduce runs inside DTensor's dispatch of that scaling (torch 2.12 on),
+    # where a mode that runs a subclass's op whole (an OpCounter) does not see it.
     "gemma2": (
         {"all_reduce": 16, "all_gather_into_tensor": 1},
-        {"matmul_all_reduce": 15, "unfused_all_reduce": 1, "unfused_all_gather": 1, "rowwise_ops": 169, "all_gather_matmul": 8, "fused_matmuls": 16},
+        {"matmul_all_reduce": 15, "unfused_all_reduce": 1, "unfused_all_gather": 1,
+         "rowwise_ops": 169 - _GEMMA_SCALE_BEFORE_ALL_REDUCE, "all_gather_matmul": 8, "fused_matmuls": 16},
         {},
         [(1, "not fused [ring]: its input is not the pending output of a matmul"),
          (1, "not fused [ring]: no matmul consumed it before aten.div.Tensor")],
