@@ -65,7 +65,10 @@ def programs(draw) -> list[str]:
     return steps
 
 
-def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pieces=False, batch=2):
+def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pieces=False, batch=2, order=(0, 0)):
+    """``steps`` (a program, or a tuple of programs) in plain eager, then in one
+    pipeline in ``order`` (indices into the programs), as a training loop
+    enters its pipeline once a step. Each run's equality, stats and explain()."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from helpers import all_gather, all_reduce, integer_tensor, reduce_scatter
@@ -82,7 +85,7 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pie
         g = torch.Generator().manual_seed(2000 + i)
         return torch.randint(0, 2, shape, generator=g).float() * 2 - 1
 
-    def execute(pipe):
+    def execute(pipe, steps):
         # [B, S/W, H]: the same bytes whatever the batch (the size rule's cases below)
         x = integer_tensor((batch, SHARD_ROWS * 2 // batch, WIDTH), torch.float32, seed=rank)
         side = []  # results kept aside: weight gradients
@@ -147,32 +150,27 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pie
     import contextlib
 
     precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    programs = steps if isinstance(steps, tuple) else (steps,)
     with precision:
-        expected = execute(None)
+        expected = [execute(None, program) for program in programs]
     pipe = EagerMicroPipeline(poison=True, min_fuse_bytes=min_fuse_bytes)
+
+    def in_order(*_):
+        runs = []
+        for i in order:
+            with precision, pipe:
+                got = execute(pipe, programs[i])
+            equal = all(torch.equal(g, e) for g, e in zip(got, expected[i], strict=True))
+            runs.append((equal, dict(pipe.stats), pipe.explain()))
+        return runs
+
     if small_pieces:
         from helpers import with_small_pieces
 
-        runs = with_small_pieces(rank, group, lambda *_: _twice(precision, pipe, execute))
+        runs = with_small_pieces(rank, group, in_order)
     else:
-        runs = _twice(precision, pipe, execute)
-    return {
-        "equal": [all(torch.equal(g, e) for g, e in zip(got, expected)) for got, _, _ in runs],
-        "stats": [stats for _, stats, _ in runs],
-        "explain": runs[-1][2],
-    }
-
-
-def _twice(precision, pipe, execute):
-    """The program in ``pipe`` twice, as a training loop runs its step: the
-    second runs at once what the first read whole (Note [Deferrals that
-    gained nothing]). Each run's results, stats and explain()."""
-    runs = []
-    for _ in range(2):
-        with precision, pipe:
-            got = execute(pipe)
-        runs.append((got, dict(pipe.stats), pipe.explain()))
-    return runs
+        runs = in_order()
+    return {"equal": [r[0] for r in runs], "stats": [r[1] for r in runs], "explain": [r[2] for r in runs]}
 
 
 # Per-rank buffers are 192 bytes (float32) or 96 (bf16): the size rule fuses
@@ -192,19 +190,33 @@ def test_random_programs_match_plain_eager(pool, backend, steps, autocast, min_f
     (tests/symm_mem_emulation.py): its schedule, eagertp's callbacks. Half the
     programs split every chunk into pieces (helpers.with_small_pieces): the
     ring's piecewise pipelines, and the gathers of products made as sent;
-    half run on a batch of one, whose shards split past it (``piece_dim``)."""
+    half run on a batch of one, whose shards split past it (``piece_dim``).
+    Each program runs twice in one pipeline, as a training loop's step: the
+    second run, which runs at once what the first read whole (Note [Deferrals
+    that gained nothing]), must fuse as the first did."""
     args = (steps, autocast, min_fuse_bytes, small_pieces, batch)
     for rank, r in enumerate(run_on(backend, pool, _run_program, world, *args, timeout=30)):
         assert all(r["equal"]), (
             f"rank {rank} of {world} differs from plain eager ({r['equal']}) for {steps} on {backend} "
             f"(autocast={autocast}, min_fuse_bytes={min_fuse_bytes}, small_pieces={small_pieces}, batch={batch}):\n"
-            f"{r['explain']}"
+            + "\n".join(r["explain"])
         )
         first, second = r["stats"]
         second.pop("matmuls_run_at_once", None)
         assert first == second, f"the second run fused otherwise for {steps} on {backend}: {r['stats']}\n{r['explain']}"
         if backend == "symm_mem":
-            assert "[ring" not in r["explain"], "symm_mem served every fused collective"
+            assert not any("[ring" in text for text in r["explain"]), "symm_mem served every fused collective"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=programs(), second=programs(), world=st.sampled_from(WORLDS), small_pieces=st.booleans())
+def test_two_programs_alternating_in_one_pipeline_match_plain_eager(pool, first, second, world, small_pieces):
+    """Two programs entered in turn in one pipeline (a training step and an
+    evaluation, say): what one block ran at once, the next may need deferred
+    (Note [Deferrals that gained nothing]). Every run equals plain eager."""
+    args = ((first, second), False, 0, small_pieces, 2, (0, 1, 0, 1, 1, 0))
+    for rank, r in enumerate(pool.run(_run_program, world, *args, timeout=30)):
+        assert all(r["equal"]), f"rank {rank} of {world}: {r['equal']} for {first} / {second}:\n" + "\n".join(r["explain"])
 
 
 # -- DTensor stacks --------------------------------------------------------------
