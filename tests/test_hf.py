@@ -9,15 +9,17 @@ Qwen3, Mixtral and Phi-3 add what other plans do: all-reduced norm-weight
 gradients, MoE experts, products all-gathered along the last dim; Gemma-2,
 Cohere, OLMo-2 and Nemotron what other models do between the same
 collectives: other norms in other places, attention and MLP in parallel,
-q/k norms over gathered products (``_OTHER_PLANS``). One forward + backward under ``EagerMicroPipeline`` must
-equal plain eager (logits, loss, every gradient), every all-reduce of a matmul
-output must be fused, and every other collective unfused with its reason;
-every family run again with every shard in pieces, on a batch of two and
-on a batch of one, must also make each of its products all-gathered as it
-sends it (Note [Matmul + all-gather]). And Llama, in the stacks HF users run
-it in: greedy ``generate`` under ``inference_mode`` (TP inference), HF's own
-gradient checkpointing, and HF's FSDP2 x TP (``fsdp_size=2, tp_size=2``):
-plain eager's tokens or gradients, every matmul all-reduce fused.
+q/k norms over gathered products (``_OTHER_PLANS``). One forward + backward
+under ``EagerMicroPipeline`` must equal plain eager (logits, loss, every
+gradient), every all-reduce of a matmul output must be fused, and every other
+collective unfused with its reason; families run again with every shard in
+pieces, on a batch of two and on a batch of one, must also make each of their
+products all-gathered as they send it (Note [Matmul + all-gather]). Every
+family's greedy ``generate`` under ``inference_mode`` (TP inference) gives
+plain eager's tokens. And Llama, in the stacks HF users run it in: two steps
+in one pipeline, HF's own gradient checkpointing, and HF's FSDP2 x TP
+(``fsdp_size=2, tp_size=2``): plain eager's gradients, every matmul
+all-reduce fused.
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
