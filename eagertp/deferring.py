@@ -268,6 +268,8 @@ class Deferring:
             self.complete_work_past(func, self.before_collective)
         self.read_whole_now[ordinal] = known
         self.stats["matmuls_run_at_once"] += 1
+        if self.trace.recording:  # Note [The ordered trace when asked] in eagertp.trace
+            self.trace.event("{} #{} of the block run at once: the block before read it whole", func, ordinal)
         out = self.run_matmul(func, args, kwargs)
         self.ran_at_once[storage_key(out)] = ordinal
         return out

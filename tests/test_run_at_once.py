@@ -73,21 +73,21 @@ def _changed_worker(rank, group):
         "all-reduced": lambda: all_reduce(a @ b, group),
         "cast, all-reduced": lambda: all_reduce((a @ b).to(torch.bfloat16), group),
     }
-    pipe = EagerMicroPipeline()
+    pipe = EagerMicroPipeline(trace=True)
     blocks = []
     for name in ("read whole", "read whole", "all-reduced", "all-reduced",
                  "read whole", "cast, all-reduced", "cast, all-reduced"):
         expected = programs[name]()
         with pipe:
             got = programs[name]()
-        blocks.append((name, torch.equal(got, expected), dict(pipe.stats), pipe.explain()))
+        blocks.append((name, torch.equal(got, expected), dict(pipe.stats), pipe.explain(), pipe.debug_string()))
     return blocks
 
 
 def test_a_matmul_run_at_once_that_a_collective_takes_defers_from_the_next_block(pool):
     for blocks in pool.run(_changed_worker, 2):
-        assert all(same for _, same, _, _ in blocks), blocks
-        stats = [s for _, _, s, _ in blocks]
+        assert all(same for _, same, *_ in blocks), blocks
+        stats = [s for _, _, s, *_ in blocks]
         assert stats == [
             {},
             {"matmuls_run_at_once": 1},  # the block before read it whole
@@ -97,6 +97,9 @@ def test_a_matmul_run_at_once_that_a_collective_takes_defers_from_the_next_block
             {"matmuls_run_at_once": 1, "unfused_all_reduce": 1},
             {"matmul_all_reduce": 1},
         ], blocks
+        # The ordered trace (trace=True) says which ran at once, and why.
+        assert blocks[1][4].splitlines()[0] == "aten.mm.default #0 of the block run at once: the block before read it whole"
+        assert "run at once" not in blocks[0][4] and "run at once" not in blocks[3][4], blocks
         assert blocks[2][3].endswith(
             "not fused [ring]: its input is the output of a matmul run at once, since the block before read it "
             "whole (Note [Deferrals that gained nothing]); from the next block on it defers"
