@@ -141,8 +141,7 @@ class Engine(Deferring, Accounting):
                 "(%s, then %s): the next block defers every matmul", ran, self._stats_before, stats,
             )
             learned = False
-        self.read_whole = self.read_whole_now if learned else {}
-        self.read_whole_now, self.ran_at_once = {}, {}
+        self.read_whole = self.read_whole_now if learned else {}  # NB: reset() gives the next block a new one
         self._stats_before = stats if completed else None
 
     def managed_group(self, func, group_size: int, group_name: Any) -> dist.ProcessGroup | None:

@@ -112,7 +112,7 @@ def all_reduce(
     # (Note [Products past their collective]: float8's amax all-reduces).
     record = engine.new_record(kind, inp, result, group, marks_past=engine.store.touched([inp]) is not None)
     found = engine.store.standalone_output(inp) if engine.store.items else None
-    why_not = _why_not_fuse_all_reduce(found, shard) if found is not None else engine.not_pending_reason(inp)
+    why_not = engine.not_pending_reason(inp) if found is None else _why_not_fuse_all_reduce(found, shard)
     if why_not is None:
         product, _ = found
         if in_place:  # the all-reduce overwrites its output: nothing reads the product after
@@ -193,9 +193,10 @@ def _why_all_reduce_as_written(
     return None
 
 
-def _why_not_fuse_all_reduce(found: tuple[Product, ScatterView | None] | None, shard: torch.Tensor) -> str | None:
-    """Why the ring all-reduce of ``inp`` cannot produce its chunks from a
-    pending product, if it cannot (then it copies them from ``inp``)."""
-    if found is None or found[1] is not None:
+def _why_not_fuse_all_reduce(found: tuple[Product, ScatterView | None], shard: torch.Tensor) -> str | None:
+    """Why the ring all-reduce of ``inp``, a pending product's output (or a
+    view of one), cannot produce its chunks from it, if it cannot (then it
+    copies them from ``inp``)."""
+    if found[1] is not None:
         return "its input is not the pending output of a matmul"
     return why_not_produce(found, shard)
