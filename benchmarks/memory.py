@@ -36,11 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=256, help="transformer step: sequence length")
     parser.add_argument("--dim", type=int, default=256, help="transformer step: model width")
-    from eagertp.demo import add_sequence_parallel_arg
+    from eagertp.demo import add_plan_args, check_plan_args
 
-    add_sequence_parallel_arg(parser)
+    add_plan_args(parser)
     parser.add_argument("--at-peak", action="store_true", help="list the transformer step's live allocations at each peak")
-    return parser.parse_args(argv)
+    return check_plan_args(parser, parser.parse_args(argv))
 
 
 def peak_bytes(fn) -> int:
@@ -127,7 +127,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         return funcol_reduce_scatter(a @ b, "sum", 0, group).wait()
 
     mesh = DeviceMesh("cpu", list(range(world)))
-    model_args = ap.Namespace(dim=args.dim, heads=8, layers=1, sequence_parallel=args.sequence_parallel)
+    model_args = ap.Namespace(
+        dim=args.dim, heads=8, layers=1, sequence_parallel=args.sequence_parallel,
+        one_all_reduce_per_region=args.one_all_reduce_per_region,
+    )
     model = build_model(model_args, mesh)
     x = local_input(torch.randn(2, args.seq, args.dim), args.sequence_parallel, rank, world)
 

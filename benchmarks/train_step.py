@@ -5,12 +5,15 @@ communication), timed in the same run.
     python benchmarks/train_step.py                    # 2 CPU ranks, plain loopback
     python benchmarks/train_step.py --link-rate 2gbit  # wire-limited loopback
     python benchmarks/train_step.py --no-sequence-parallel   # plain TP: all-reduces
+    python benchmarks/train_step.py --no-sequence-parallel --one-all-reduce-per-region   # q, k, v's summed first
     python benchmarks/train_step.py --inference        # the forward alone, under inference_mode
     python benchmarks/train_step.py --float8 rowwise   # torchao's float8 training, row-wise scaling
 
 The model and the TP plan are the demo's (eagertp.demo); with
 ``--no-sequence-parallel`` the plan is plain TP (Colwise/Rowwise, activations
-replicated), whose collectives are all-reduces (matmul + all-reduce fused). Each sample is one
+replicated), whose collectives are all-reduces (matmul + all-reduce fused), and
+with ``--one-all-reduce-per-region`` as well, one all-reduce of q's, k's and v's
+summed input gradients instead of one each (the demo's ``tensor_parallel_plan``). Each sample is one
 forward + backward; the optimizer step is outside the timed region. With
 ``--inference`` it is one forward under ``torch.inference_mode()``, as TP
 inference (a prefill) runs it. CUDA and a
@@ -147,10 +150,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="measure the size rule on this link first (eagertp.calibrate_min_fuse_bytes, k = --dim) "
         "and run eagertp with it, as the README tells users to; default: the built-in rule",
     )
-    from eagertp.demo import add_sequence_parallel_arg
+    from eagertp.demo import add_plan_args, check_plan_args
 
-    add_sequence_parallel_arg(parser)
-    return parser.parse_args(argv)
+    add_plan_args(parser)
+    return check_plan_args(parser, parser.parse_args(argv))
 
 
 def _float8_conversion(recipe: str):
@@ -231,6 +234,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         "seq": args.seq,
         "dim": args.dim,
         "sequence_parallel": args.sequence_parallel,
+        "one_all_reduce_per_region": args.one_all_reduce_per_region,
         "backend": pipe.backend,
         "min_fuse_bytes": min_fuse_bytes,
         **t,
@@ -258,9 +262,12 @@ def main(argv=None) -> int:
         r = _harness.run(args, _worker)
     link = _harness.link_name(args)
     r["link"] = link
+    if r["sequence_parallel"]:
+        plan = "TP + SP"
+    else:
+        plan = f"TP without SP (all-reduces{', one per region' if r['one_all_reduce_per_region'] else ''})"
     print(
-        f"train_step: {r['world_size']} ranks, gloo on {link}, "
-        f"{'TP + SP' if r['sequence_parallel'] else 'TP without SP (all-reduces)'}, {r['layers']} blocks, "
+        f"train_step: {r['world_size']} ranks, gloo on {link}, {plan}, {r['layers']} blocks, "
         f"{'float8 ' + args.float8 + ' (torchao), ' if args.float8 else ''}"
         f"batch {r['batch']}, "
         f"seq {r['seq']}, dim {r['dim']}; "

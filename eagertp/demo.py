@@ -12,7 +12,10 @@ step that is 4 all-gathers and 4 reduce-scatters (forward and backward).
 ``--no-sequence-parallel`` makes it plain TP instead (ColwiseParallel and
 RowwiseParallel only, activations replicated): per block and step 6
 all-reduces (2 row-parallel outputs forward, 4 column-parallel input gradients
-backward), which eagertp fuses as matmul + all-reduce.
+backward), which eagertp fuses as matmul + all-reduce. With
+``--one-all-reduce-per-region`` as well, each region takes its input once
+(PrepareModuleInput), so that q's, k's and v's input gradients are summed
+before one all-reduce: 4 a block and step.
 
 The same steps run twice from the same initial weights: plain eager, then
 inside ``EagerMicroPipeline``. The demo prints both losses per step,
@@ -82,20 +85,34 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def tensor_parallel_plan(sequence_parallel: bool = True) -> dict:
+def tensor_parallel_plan(sequence_parallel: bool = True, *, one_all_reduce_per_region: bool = False) -> dict:
     """The TP plan for one TransformerBlock; activations are [B, S, D].
 
     ``sequence_parallel=True`` (tensor + sequence parallel, as torchtitan):
     activations are sharded along the sequence (dim 1) between the parallel
     regions; each region all-gathers its input and reduce-scatters its output.
-    ``False`` (plain Megatron TP): activations are replicated; the row-parallel
+    ``False`` (plain TP): activations are replicated; the row-parallel
     outputs all-reduce in forward, the column-parallel input gradients in
-    backward."""
+    backward, each linear its own (q, k and v: three all-reduces).
+
+    ``one_all_reduce_per_region`` (plain TP; TP + SP's regions take their
+    input once already): each region (the attention, the MLP) takes its input
+    as one replicated DTensor (``PrepareModuleInput``), so autograd sums its
+    column-parallel linears' input gradients while they are partial and the
+    region all-reduces the sum once, as Megatron's fused QKV linear does:
+    4 all-reduces a block and step instead of 6 (docs/tuning.md)."""
+    if sequence_parallel and one_all_reduce_per_region:
+        raise ValueError(
+            "tensor_parallel_plan: one_all_reduce_per_region is for plain TP (sequence_parallel=False); "
+            "with sequence parallel each region already takes its input once (one all-gather, one reduce-scatter)"
+        )
     plan: dict = {}
     for norm, region, colwise, rowwise in (("ln1", "attn", ("wq", "wk", "wv"), "wo"), ("ln2", "mlp", ("w1",), "w2")):
         if sequence_parallel:
             plan[norm] = SequenceParallel()
             plan[region] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        elif one_all_reduce_per_region:
+            plan[region] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
         plan.update({f"{region}.{name}": ColwiseParallel() for name in colwise})
         plan[f"{region}.{rowwise}"] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
     return plan
@@ -112,8 +129,12 @@ def build_model(
     if convert is not None:
         convert(blocks)
     for block in blocks:
-        # NB: getattr: callers' own namespaces (benchmarks/memory.py) may not set it.
-        parallelize_module(block, mesh, tensor_parallel_plan(getattr(args, "sequence_parallel", True)))
+        # NB: getattr: callers' own namespaces (benchmarks/memory.py) may not set them.
+        plan = tensor_parallel_plan(
+            getattr(args, "sequence_parallel", True),
+            one_all_reduce_per_region=getattr(args, "one_all_reduce_per_region", False),
+        )
+        parallelize_module(block, mesh, plan)
     return blocks.to(mesh.device_type)
 
 
@@ -133,11 +154,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8, help="attention heads (divisible by the world size)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--backend", default="auto", help="eagertp backend: auto, ring, reference")
-    add_sequence_parallel_arg(parser)
-    return parser.parse_args(argv)
+    add_plan_args(parser)
+    return check_plan_args(parser, parser.parse_args(argv))
 
 
-def add_sequence_parallel_arg(parser: argparse.ArgumentParser) -> None:
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    """The TP plan's options (``tensor_parallel_plan``)."""
     parser.add_argument(
         "--no-sequence-parallel",
         dest="sequence_parallel",
@@ -145,6 +167,21 @@ def add_sequence_parallel_arg(parser: argparse.ArgumentParser) -> None:
         help="plain TP (Colwise/Rowwise, activations replicated): all-reduces instead of "
         "all-gathers and reduce-scatters",
     )
+    parser.add_argument(
+        "--one-all-reduce-per-region",
+        action="store_true",
+        help="with --no-sequence-parallel: each region takes its input once (PrepareModuleInput), so q's, k's "
+        "and v's input gradients are summed before one all-reduce (4 all-reduces a block and step, not 6)",
+    )
+
+
+def check_plan_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args``, once ``add_plan_args``' options are known to go together."""
+    if args.one_all_reduce_per_region and args.sequence_parallel:
+        parser.error(
+            "--one-all-reduce-per-region needs --no-sequence-parallel (TP + SP's regions take their input once)"
+        )
+    return args
 
 
 def train(args, mesh: DeviceMesh, pipe: EagerMicroPipeline | None) -> tuple[list[float], list[float]]:

@@ -39,8 +39,12 @@ def _benchmark_module(name: str):
 
 @pytest.mark.parametrize(
     "plan",
-    [[], ["--no-sequence-parallel", "--calibrate"], ["--no-sequence-parallel", "--inference"]],
-    ids=["sp", "no_sp_calibrated", "no_sp_inference"],
+    [
+        [],
+        ["--no-sequence-parallel", "--one-all-reduce-per-region", "--calibrate"],
+        ["--no-sequence-parallel", "--inference"],
+    ],
+    ids=["sp", "no_sp_one_per_region_calibrated", "no_sp_inference"],
 )
 def test_train_step_reports_eagertp_against_unfused_and_the_bound(plan):
     out = _run("train_step.py", "--layers", "1", "--batch", "1", "--seq", "64", "--dim", "64", "--heads", "2",
@@ -54,6 +58,7 @@ def test_train_step_reports_eagertp_against_unfused_and_the_bound(plan):
     assert re.search(r"fusing alone: as written / eagertp within each round: median [\d.]+x", out), out
     assert ("size rule calibrated on this link: min_fuse_bytes = {" in out) == ("--calibrate" in plan), out
     assert ("forward under inference_mode" in out) == ("--inference" in plan), out
+    assert ("TP without SP (all-reduces, one per region)" in out) == ("--one-all-reduce-per-region" in plan), out
 
 
 def test_overlap_times_every_form():

@@ -281,7 +281,7 @@ def test_dtensor_transformer_under_bf16_autocast_fuses_every_tp_collective(pool,
         assert r["stats"] == {"all_gather_matmul": 4, "fused_matmuls": 8, "matmul_reduce_scatter": 4, "rowwise_ops": 1}, r
 
 
-def _whole_step_worker(rank, group, sequence_parallel):
+def _whole_step_worker(rank, group, sequence_parallel, one_all_reduce_per_region=False):
     """Forward, backward, ``clip_grad_norm_`` and AdamW's step (both foreach,
     on DTensors), all inside the block, for three steps."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -294,7 +294,8 @@ def _whole_step_worker(rank, group, sequence_parallel):
 
     def train(ctx):
         torch.manual_seed(0)
-        model = parallelize_module(TransformerBlock(16, 4), mesh, tensor_parallel_plan(sequence_parallel))
+        plan = tensor_parallel_plan(sequence_parallel, one_all_reduce_per_region=one_all_reduce_per_region)
+        model = parallelize_module(TransformerBlock(16, 4), mesh, plan)
         # NB: without SP the norms stay plain tensors, which clip_grad_norm_ cannot mix with DTensors.
         clipped = [p for p in model.parameters() if isinstance(p, DTensor)]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -324,33 +325,44 @@ def _whole_step_worker(rank, group, sequence_parallel):
         "params_close": [torch.allclose(p, e, rtol=1e-4, atol=1e-6) for p, e in zip(params, expected_params)],
         "stats": stats,
         "unfused": [line for line in pipe.explain().splitlines() if "not fused" in line],
+        "sums_of_three": sum("fused with mm + mm + mm" in line for line in pipe.explain().splitlines()),
     }
 
 
 @pytest.mark.parametrize(
-    "sequence_parallel, fused, one_rows",
+    "plan, fused, one_rows",
     [
         # SP: the norms' 4 gradients stay Partial, so DTensor all-reduces them where the clip
         # reads them (4, then its stack of 12 norms) and again in AdamW's step, as in plain
         # eager: none of them a matmul's. (17 all-reduces a step on torch 2.13, 21 on 2.11.)
-        (True, {"all_gather_matmul": 4, "fused_matmuls": 8, "matmul_reduce_scatter": 4, "rowwise_ops": 1},
+        ((True,), {"all_gather_matmul": 4, "fused_matmuls": 8, "matmul_reduce_scatter": 4, "rowwise_ops": 1},
          {"f32[12]": 1, "f32[16]": None}),
         # No SP: forward's 2 and backward's 4 (q, k, v and w1's input gradients), then the clip's.
         # Two gather halves feed a matmul through the norm between (row by row):
         # ln2 -> w1 forward, ln2's backward -> wo's gradients. autograd takes the norms'
         # gradients as .grad without copying them (Note [Results over the rows, taken by
         # autograd] in eagertp.rowwise): no copy_ among the row-wise ops.
-        (False, {"matmul_all_reduce": 6, "rowwise_ops": 10, "all_gather_matmul": 2, "fused_matmuls": 3}, {"f32[8]": 1}),
+        ((False,), {"matmul_all_reduce": 6, "rowwise_ops": 10, "all_gather_matmul": 2, "fused_matmuls": 3},
+         {"f32[8]": 1}),
+        # No SP, each region's input taken once: backward's q, k and v input gradients
+        # summed while partial, then one all-reduce (of a sum of three matmuls), not three
+        # whose results the chain adds (two row-wise adds fewer).
+        ((False, True), {"matmul_all_reduce": 4, "rowwise_ops": 8, "all_gather_matmul": 2, "fused_matmuls": 3},
+         {"f32[8]": 1}),
     ],
-    ids=["tp_sp", "tp"],
+    ids=["tp_sp", "tp", "tp_one_all_reduce_per_region"],
 )
-def test_dtensor_whole_step_with_clipping_and_adamw_inside_the_block(pool, sequence_parallel, fused, one_rows):
+def test_dtensor_whole_step_with_clipping_and_adamw_inside_the_block(pool, plan, fused, one_rows):
     """The training step as loops write it, optimizer and clipping inside the
     block: every TP matmul collective fuses every step; DTensor's all-reduces
     of small replicated tensors (norm gradients, the clip's norms; as many as
     plain eager issues, which depends on DTensor's release) are issued as
-    written with their reason; norms and trained weights are plain eager's."""
-    for r in pool.run(_whole_step_worker, 2, sequence_parallel):
+    written with their reason; norms and trained weights are plain eager's.
+    q's, k's and v's input gradients reach one collective as a sum of three
+    matmuls where the plan sums them first (TP + SP's reduce-scatter, or plain
+    TP's all-reduce with each region's input taken once), else three."""
+    for r in pool.run(_whole_step_worker, 2, *plan):
+        assert r["sums_of_three"] == (0 if plan == (False,) else 1), r
         torch.testing.assert_close(r["norms"][1], r["norms"][0], rtol=1e-5, atol=1e-6)
         _explains_every_collective(r["collectives_seen"])
         assert all(r["params_close"]), r["params_close"]
@@ -489,3 +501,10 @@ def test_dtensor_double_backward_through_fused_collectives(pool, sequence_parall
         assert all(r["grads_close"]), r["grads_close"]
         _explains_every_collective(r["collectives_seen"])
         assert r["stats"] == stats, r["stats"]
+
+
+def test_one_all_reduce_per_region_is_a_plain_tp_option():
+    from eagertp.demo import tensor_parallel_plan
+
+    with pytest.raises(ValueError, match="one_all_reduce_per_region is for plain TP"):
+        tensor_parallel_plan(True, one_all_reduce_per_region=True)
