@@ -17,9 +17,10 @@ pieces, on a batch of two and on a batch of one, must also make each of their
 products all-gathered as they send it (Note [Matmul + all-gather]). Every
 family's greedy ``generate`` under ``inference_mode`` (TP inference) gives
 plain eager's tokens. And Llama, in the stacks HF users run it in: two steps
-in one pipeline, HF's own gradient checkpointing, and HF's FSDP2 x TP
-(``fsdp_size=2, tp_size=2``): plain eager's gradients, every matmul
-all-reduce fused.
+in one pipeline, HF's own gradient checkpointing, HF's FSDP2 x TP
+(``fsdp_size=2, tp_size=2``), and the plan override docs/tuning.md shows
+(one all-reduce per attention and MLP): plain eager's gradients, every
+matmul all-reduce fused.
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
@@ -126,10 +127,31 @@ def _hf_worker(rank, group, path, families):
                 distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
                 dtype=torch.float32,
             ))
+            # The docs' override of HF's plan: one all-reduce per region
+            region = _docs_example("hf_one_all_reduce_per_region")
+            region.register()
+            reports["llama one all-reduce per region"] = _compare_step(AutoModelForCausalLM.from_pretrained(
+                os.path.join(path, family),
+                distributed_config=DistributedConfig(
+                    tp_plan=region.ONE_ALL_REDUCE_PER_REGION, tp_size=dist.get_world_size(group)
+                ),
+                dtype=torch.float32,
+            ))
         if family in _IN_PIECES:
             reports[f"{family} in pieces"] = _compare_step(model, in_pieces=True)
             reports[f"{family} batch of one in pieces"] = _compare_step(model, in_pieces=True, batch=1)
     return reports
+
+
+def _docs_example(name: str):
+    """The module ``docs/_examples/<name>.py``, as the docs show it."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "_examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_docs_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _compare_step(model, in_pieces: bool = False, batch: int = 2, pipe: EagerMicroPipeline | None = None) -> dict:
@@ -265,6 +287,24 @@ def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(hf_reports)
         ), unfused
         assert unfused[1].startswith("all_gather #0 f32[2, 8, 32] -> f32[8, 8, 32]"), unfused
         assert "not fused [ring]: no matmul consumed it before aten._log_softmax.default" in unfused[1], unfused
+
+
+def test_hf_llama_one_all_reduce_per_region(hf_reports):
+    """The plan override docs/tuning.md shows for HF
+    (``docs/_examples/hf_one_all_reduce_per_region.py``): each layer's
+    attention and MLP take their input once, so q's, k's and v's input
+    gradients, and gate's and up's, are summed before one all-reduce each:
+    plain eager issues 10 all-reduces a step under it, not 16. Every one of
+    a matmul output fuses, with all of its region's matmuls; plain eager's
+    answers under the same plan."""
+    results = hf_reports["llama one all-reduce per region"]
+    _check_common(results, "llama")
+    for r in results:
+        assert r["eager_collectives"] == {"all_reduce": 10, "all_gather_into_tensor": 1}, r
+        assert r["stats"]["matmul_all_reduce"] == 9 and r["stats"]["unfused_all_reduce"] == 1, r
+        lines = r["explain"].splitlines()
+        assert sum(": fused with mm + mm + mm ->" in line for line in lines) == 2, r["explain"]  # q, k, v
+        assert sum(": fused with mm + mm ->" in line for line in lines) == 2, r["explain"]  # gate, up
 
 
 # family -> its stats for 4 forwards of ``generate`` (the prompt's, then one per
