@@ -721,6 +721,7 @@ def defer(
     lead = geometry.tensor.shape[:-1]
     program_lead = program_rows.shape[:-1]
     operands: list[RowOperand] = []
+    reads_other_gather = False
     for i, t in enumerate(step_tensors):
         if t is program_rows:  # NB: its view and width found above
             owner, view, width = gather, geometry, program_width
@@ -752,6 +753,7 @@ def defer(
                 and owner.group.size() == gather.group.size()
             ):
                 operands.append(RowOperand(Kind.OTHER, view.tensor, other=owner))
+                reads_other_gather = True
                 continue
         if owner is not None:  # a product, or another gather's tensor in another shape: made first
             engine.complete_owners([t], func, f"read ${store.tid_of(t)} beside the rows of all_gather ${gather.tid}")
@@ -814,6 +816,8 @@ def defer(
             for a in whole_args
         )
         whole = WholeStep(func, whole_args, kwargs, outputs, store.next_tid())
+    if reads_other_gather and (func is aten.add.Tensor or func is aten.add_.Tensor):
+        _note_summed_all_reduces(engine.trace, gather, operands)
     store.add_rowwise(gather, step, made, whole)
     if engine.trace.recording:
         for recorded in (step, whole):
@@ -822,6 +826,21 @@ def defer(
     if rule.in_place:
         return args[0], None
     return (results[0] if len(results) == 1 else tuple(results)), None
+
+
+def _note_summed_all_reduces(trace: Any, gather: PendingGather, operands: list[RowOperand]) -> None:
+    """An add of the gather halves of two sum-all-reduces on one group: say so
+    (Note [Sums of all-reduced tensors] in eagertp.trace)."""
+    for op in operands:
+        other = op.other
+        if (
+            other is not None
+            and gather.half_of_all_reduce
+            and other.half_of_all_reduce
+            and gather.record.kind == other.record.kind == "all_reduce(sum)"
+            and gather.record.group == other.record.group
+        ):
+            trace.note_summed(gather.record, other.record)
 
 
 def _read_whole(gather: PendingGather, view: GatheredView) -> bool:

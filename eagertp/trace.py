@@ -36,6 +36,20 @@ deferred matmul's (reading shapes and dtypes for its line), every call of
 every step (``benchmarks/call_instructions.py``; benchmarks/results/
 call_instructions_2cpu_2026-12-04_83dc4f9.md). So the hot paths ask
 ``Trace.recording`` before they build an event's arguments.
+
+Note [Sums of all-reduced tensors]
+----------------------------------
+A plan that makes several linears column-parallel on one input, each taking
+it alone (DTensor's ``ColwiseParallel`` on q, k and v; HF's ``"colwise"``),
+all-reduces each one's input gradient in backward, and autograd then adds
+the results: n all-reduces of a full activation where one all-reduce of the
+sum would do (the sum-reduction is linear). eagertp cannot merge them (a rank
+that read one of them first would send other messages than its peer:
+Invariant 2), so ``explain()`` says so once, in a hint line, where a
+row-wise ``add`` on the gather halves of two sum-all-reduces on one group
+shows it: how many all-reduces were added to each other, how many fewer a
+plan that sums first issues, the first such sum by its records' numbers,
+and the fix (docs/tuning.md, "Plain TP: one all-reduce per region").
 """
 
 from __future__ import annotations
@@ -214,6 +228,10 @@ class Trace:
         # [Collectives the mode did not see] in eagertp.unseen), one line each.
         self.unseen: list[str] = []
         self._groups: dict[str, str] = {}  # group name -> group_str(group)
+        # Sum-all-reduces whose results the program added to each other, as
+        # (group, their numbers), one entry per sum: Note [Sums of all-reduced
+        # tensors]. Bounded as the records are.
+        self.summed: collections.deque[tuple[str, list[int]]] = collections.deque(maxlen=max_records)
 
     def event(self, render: str | Callable[..., str], *args: Any) -> None:
         """Record ``render(*args)`` (or ``render.format(*args)`` for a template);
@@ -266,6 +284,42 @@ class Trace:
             log.debug("eagertp: %s on %s passes through: not a managed group", *key)
         self.passed_through[key] += 1
 
+    def note_summed(self, a: CollectiveRecord, b: CollectiveRecord) -> None:
+        """The results of sum-all-reduces ``a`` and ``b`` (one group) were
+        added to each other (Note [Sums of all-reduced tensors])."""
+        # NB: a sum's terms are added one after another, so a term joins one of
+        # the latest sums; look back a few only (off the hot path: rare adds).
+        joined = None
+        for i in range(len(self.summed) - 1, max(len(self.summed) - 8, 0) - 1, -1):
+            group, indices = self.summed[i]
+            if group == a.group and (a.index in indices or b.index in indices):
+                if joined is None:
+                    joined = indices
+                    indices = [a.index, b.index]
+                else:  # both already in sums of their own: one sum now
+                    del self.summed[i]
+                for n in indices:  # NB: a loop, not a generator's frames
+                    if n not in joined:
+                        joined.append(n)
+        if joined is None:
+            self.summed.append((a.group, [a.index, b.index]))
+        else:
+            joined.sort()
+
+    def _hint_summed(self) -> list[str]:
+        """The hint line of Note [Sums of all-reduced tensors], if any."""
+        if not self.summed:
+            return []
+        terms, sums = sum(len(indices) for _, indices in self.summed), len(self.summed)
+        group, first = self.summed[0]
+        numbers = ", ".join(f"#{n}" for n in first)
+        return [
+            f"hint: {terms} all-reduces were added to each other, in {sums} sum{'s' if sums > 1 else ''} "
+            f"(the first: all_reduce(sum) {numbers} on {group}); summing before all-reducing would issue "
+            f"{terms - sums} fewer: with DTensor, PrepareModuleInput on the module whose input their linears "
+            f"share (docs: tuning, 'Plain TP: one all-reduce per region')"
+        ]
+
     def debug_string(self) -> str:
         if not self.recording:
             raise RuntimeError(
@@ -283,6 +337,7 @@ class Trace:
             lines = self._summary() if summary else [r.render() for r in self.collectives]
         if self.dropped:
             lines.insert(0, f"({self.dropped} earlier records dropped)")
+        lines += self._hint_summed()
         lines += self.unseen
         # NB: a group= that names another group than the program's collectives
         # use fuses nothing; these lines say which groups those were.

@@ -88,6 +88,36 @@ def test_the_ordered_trace_is_recorded_only_when_asked():
     assert_expected_inline(str(raised.value), """debug_string(): this EagerMicroPipeline records no ordered trace; construct it with EagerMicroPipeline(trace=True) to record one (explain() and stats are always kept)""")
 
 
+def test_explain_hints_at_all_reduces_added_to_each_other():
+    """Note [Sums of all-reduced tensors]: the sums the adds made, merged where
+    an add joins two; one hint line, after the records (and the summary's)."""
+    from eagertp.trace import Meta, Trace
+
+    class _Group:
+        def __init__(self, name):
+            self.group_name = name
+
+        def size(self):
+            return 2
+
+    trace = Trace(max_records=100, events=False)
+    meta = Meta(torch.float32, torch.Size([8, 4]))
+    ar = [trace.new_collective("all_reduce(sum)", src=meta, dst=meta, group=_Group("tp")) for _ in range(5)]
+    for record in ar:
+        trace.mark_fused(record, ["mm"], "ring")
+    assert "hint" not in trace.explain()
+    trace.note_summed(ar[0], ar[1])
+    trace.note_summed(ar[3], ar[4])  # another sum
+    trace.note_summed(ar[4], ar[2])  # grows it
+    assert [indices for _, indices in trace.summed] == [[0, 1], [2, 3, 4]]
+    trace.note_summed(ar[1], ar[2])  # joins the two
+    assert [indices for _, indices in trace.summed] == [[0, 1, 2, 3, 4]]
+    lines = trace.explain().splitlines()
+    assert len(lines) == 6 and lines[-1].startswith("hint: 5 all-reduces were added to each other, in 1 sum "), lines
+    assert "(the first: all_reduce(sum) #0, #1, #2, #3, #4 on" in lines[-1] and "would issue 4 fewer" in lines[-1]
+    assert trace.explain(summary=True).splitlines()[-1] == lines[-1]
+
+
 def test_plain_ops_pass_through_unchanged():
     x = torch.randn(4, 4)
     with EagerMicroPipeline():

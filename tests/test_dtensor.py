@@ -326,6 +326,7 @@ def _whole_step_worker(rank, group, sequence_parallel, one_all_reduce_per_region
         "stats": stats,
         "unfused": [line for line in pipe.explain().splitlines() if "not fused" in line],
         "sums_of_three": sum("fused with mm + mm + mm" in line for line in pipe.explain().splitlines()),
+        "hints": [line for line in pipe.explain().splitlines() if line.startswith("hint: ")],
     }
 
 
@@ -363,6 +364,14 @@ def test_dtensor_whole_step_with_clipping_and_adamw_inside_the_block(pool, plan,
     TP's all-reduce with each region's input taken once), else three."""
     for r in pool.run(_whole_step_worker, 2, *plan):
         assert r["sums_of_three"] == (0 if plan == (False,) else 1), r
+        # Three all-reduces added row by row: explain() says how to make them one
+        # (Note [Sums of all-reduced tensors] in eagertp.trace).
+        if plan == (False,):
+            assert len(r["hints"]) == 1 and r["hints"][0].startswith(
+                "hint: 3 all-reduces were added to each other, in 1 sum (the first: all_reduce(sum) #3, #4, #5 on "
+            ), r["hints"]
+        else:
+            assert r["hints"] == [], r["hints"]
         torch.testing.assert_close(r["norms"][1], r["norms"][0], rtol=1e-5, atol=1e-6)
         _explains_every_collective(r["collectives_seen"])
         assert all(r["params_close"]), r["params_close"]

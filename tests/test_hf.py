@@ -279,6 +279,10 @@ def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(hf_reports)
         assert sum(": fused with mm" in line for line in lines) == 15, r["explain"]
         unfused = [line for line in lines if ": not fused" in line]
         assert len(unfused) == 2, r["explain"]
+        # Each layer's q, k and v input gradients, and gate's and up's, all-reduced
+        # apart and then added: the hint (Note [Sums of all-reduced tensors]).
+        assert lines[-1].startswith("hint: 10 all-reduces were added to each other, in 4 sums "), lines[-1]
+        assert "would issue 6 fewer" in lines[-1], lines[-1]
         assert "all_reduce(sum) #0 f32[2, 8, 64]" in unfused[0], unfused
         # Its gather half in flight: the first layer's norm runs row by row on it, q, k, v bind.
         assert unfused[0].endswith(
@@ -305,6 +309,7 @@ def test_hf_llama_one_all_reduce_per_region(hf_reports):
         lines = r["explain"].splitlines()
         assert sum(": fused with mm + mm + mm ->" in line for line in lines) == 2, r["explain"]  # q, k, v
         assert sum(": fused with mm + mm ->" in line for line in lines) == 2, r["explain"]  # gate, up
+        assert not any(line.startswith("hint: ") for line in lines), r["explain"]
 
 
 # family -> its stats for 4 forwards of ``generate`` (the prompt's, then one per
