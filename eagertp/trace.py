@@ -203,6 +203,12 @@ class CollectiveRecord:
     __str__ = render
 
 
+# Terms kept per sum of all-reduced tensors (Note [Sums of all-reduced
+# tensors]): a running sum of every all-reduce in a long block stays bounded
+# (later terms go uncounted).
+_MAX_SUMMED = 64
+
+
 class Trace:
     """Bounded, ordered trace of events plus the per-collective records.
 
@@ -299,7 +305,7 @@ class Trace:
                 else:  # both already in sums of their own: one sum now
                     del self.summed[i]
                 for n in indices:  # NB: a loop, not a generator's frames
-                    if n not in joined:
+                    if n not in joined and len(joined) < _MAX_SUMMED:
                         joined.append(n)
         if joined is None:
             self.summed.append((a.group, [a.index, b.index]))

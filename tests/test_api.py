@@ -116,6 +116,11 @@ def test_explain_hints_at_all_reduces_added_to_each_other():
     assert len(lines) == 6 and lines[-1].startswith("hint: 5 all-reduces were added to each other, in 1 sum "), lines
     assert "(the first: all_reduce(sum) #0, #1, #2, #3, #4 on" in lines[-1] and "would issue 4 fewer" in lines[-1]
     assert trace.explain(summary=True).splitlines()[-1] == lines[-1]
+    # A running sum of every all-reduce of a long block: bounded.
+    for _ in range(200):
+        record = trace.new_collective("all_reduce(sum)", src=meta, dst=meta, group=_Group("tp"))
+        trace.note_summed(ar[0], record)
+    assert len(trace.summed) == 1 and len(trace.summed[0][1]) == 64, trace.summed
 
 
 def test_plain_ops_pass_through_unchanged():

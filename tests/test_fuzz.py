@@ -5,7 +5,8 @@ A program is a list of steps over one activation that is either sharded along
 its rows (sequence parallel) or whole on every rank. Gathers (of the
 activation, or of a linear's output), reduce-scatters,
 all-reduces (of a linear's output or a sum of two, out of place through funcol
-or in place through raw c10d, or a max of whatever the activation is), linears
+or in place through raw c10d, three of linears' outputs then added, or a max
+of whatever the activation is), linears
 (with and without bias, or over two rows at a time), weight gradients
 contracting the rows, views, elementwise ops, row-wise ops (a residual add, a
 bias along the rows, a reduction over the last dim kept and used, a row's
@@ -48,7 +49,7 @@ ON_WHOLE = ["scatter", "scatter_dim1"]
 ANYWHERE = [
     "linear", "linear_bias", "linear_wide", "qkv_sum", "wgrad", "relu", "view", "add_self", "cat_batch", "cat_hidden",
     "read0", "read1", "flush0", "flush_both",
-    "linear_all_reduce", "linear_all_reduce_c10d", "sum_all_reduce", "all_reduce_max",
+    "linear_all_reduce", "linear_all_reduce_c10d", "sum_all_reduce", "all_reduces_summed", "all_reduce_max",
     # row-wise (Note [Row-wise ops on gathered rows]): on a gathered tensor they run chunk by chunk
     "residual", "bias_row", "minus_row_max", "row_sign_scale",
 ]
@@ -120,6 +121,10 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pie
             elif step == "sum_all_reduce":  # a sum of products, as the q/k/v input gradient
                 c = x.clamp(-4, 4)
                 x = all_reduce(F.linear(c, weight(i)) + F.linear(c, weight(i + 100)), group)
+            elif step == "all_reduces_summed":  # each all-reduced, then added: plain TP's q/k/v input gradient
+                c = x.clamp(-4, 4)
+                q, k, v = (all_reduce(F.linear(c, weight(i + 100 * j)), group) for j in range(3))
+                x = q + k + v
             elif step == "all_reduce_max":  # whatever x is: pending gather, product or plain
                 x = all_reduce(x, group, "max")
             elif step == "relu":
