@@ -46,7 +46,7 @@ from eagertp.deferred import (
 from eagertp.issuing import IssuingWork, profiler_range
 from eagertp.operands import OTHER_PENDING_OPERAND, match_gather_operand, matmul_out_dtype, same_views
 from eagertp.patterns import gather_signature, gathered_product, shard_producer
-from eagertp.trace import Meta, Reason
+from eagertp.trace import CollectiveRecord, Meta, Reason
 from eagertp.verify import check_equal, check_ranks_agree
 
 # Bytes per element of the widest output a fused reduce-scatter takes from a
@@ -123,6 +123,8 @@ class Deferring:
         if placeholder:
             out = self.placeholder(shard, (shard.shape[0] * group.size(), *shard.shape[1:]))
         record = self.new_record("all_gather", shard, out, group)
+        if self.store.sending and product is None:
+            self._note_gathered(shard, group, record)
         gather = PendingGather(shard, out, group, self.store.next_tid(), record, work_at_start=self.matmul_work)
         with IssuingWork(self):  # NB: issuing_work(), one frame shorter
             if self.verify:
@@ -150,6 +152,14 @@ class Deferring:
             gather.storage_uses_at_start = storage_uses(out)  # Note [This rank's chunk, unread]
         self.add_gather(gather)
         return out
+
+    def _note_gathered(self, shard: torch.Tensor, group: dist.ProcessGroup, record: CollectiveRecord) -> None:
+        """Say so if a gather in flight sends this very tensor, unwritten since,
+        on the same group (Note [One shard gathered twice] in eagertp.trace)."""
+        for gather in self.store.sending_from(shard):
+            if gather.shard is shard and gather.group is group:
+                self.trace.note_regathered(gather.record.index, record)
+                return
 
     def unbind_consumer(self, shard: torch.Tensor, func: Any) -> None:
         """If ``shard`` is the whole output of a matmul bound to a gather in

@@ -100,7 +100,8 @@ def tensor_parallel_plan(sequence_parallel: bool = True, *, one_all_reduce_per_r
     as one replicated DTensor (``PrepareModuleInput``), so autograd sums its
     column-parallel linears' input gradients while they are partial and the
     region all-reduces the sum once, as Megatron's fused QKV linear does:
-    4 all-reduces a block and step instead of 6 (docs/tuning.md)."""
+    4 all-reduces a block and step instead of 6 (docs/tuning.md, "One
+    collective per region")."""
     if sequence_parallel and one_all_reduce_per_region:
         raise ValueError(
             "tensor_parallel_plan: one_all_reduce_per_region is for plain TP (sequence_parallel=False); "

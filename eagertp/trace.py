@@ -49,7 +49,26 @@ Invariant 2), so ``explain()`` says so once, in a hint line, where a
 row-wise ``add`` on the gather halves of two sum-all-reduces on one group
 shows it: how many all-reduces were added to each other, how many fewer a
 plan that sums first issues, the first such sum by its records' numbers,
-and the fix (docs/tuning.md, "Plain TP: one all-reduce per region").
+and the fix (docs/tuning.md, "One collective per region").
+
+Note [One shard gathered twice]
+-------------------------------
+The same plans with sequence parallelism (``ColwiseParallel(input_layouts=
+Shard(1))`` on q, k and v) gather the same shard once per linear: n
+all-gathers of one tensor in forward, and n reduce-scatters of its gradient
+in backward. A gather that starts while another gather in flight on the
+same group may still send from the same tensor is noted
+(``Deferring._note_gathered``), and ``explain()`` says so in a hint line, as
+for sums of all-reduces: q's gather is still in flight when k's starts
+(nothing reads q's product before attention). The tensor itself, and only
+while a gather in flight holds it and has not seen it written
+(``PendingStore.sending``: a write to a shard in flight takes its gather out,
+Note [Sends from the shard] in eagertp.engine). eagertp keeps no reference
+of its own for this (a weak one would count as a reader of an absorbed
+product's output, and keep weight gradients' inputs from being found
+orphaned), and compares no storages (one freed and reused holds other
+data). Gathers of one tensor that do not overlap (an MLP's gate, read by its
+activation before the up projection's gather) go unnoticed.
 """
 
 from __future__ import annotations
@@ -238,6 +257,9 @@ class Trace:
         # (group, their numbers), one entry per sum: Note [Sums of all-reduced
         # tensors]. Bounded as the records are.
         self.summed: collections.deque[tuple[str, list[int]]] = collections.deque(maxlen=max_records)
+        # (the gather that sent a shard first, a later one of the same shard,
+        # its group): Note [One shard gathered twice]. Bounded as the records are.
+        self.regathered: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=max_records)
 
     def event(self, render: str | Callable[..., str], *args: Any) -> None:
         """Record ``render(*args)`` (or ``render.format(*args)`` for a template);
@@ -312,6 +334,24 @@ class Trace:
         else:
             joined.sort()
 
+    def note_regathered(self, earlier: int, record: CollectiveRecord) -> None:
+        """All-gather ``record`` sends the shard that all-gather number
+        ``earlier`` sent (Note [One shard gathered twice])."""
+        self.regathered.append((earlier, record.index, record.group))
+
+    def _hint_regathered(self) -> list[str]:
+        """The hint line of Note [One shard gathered twice], if any."""
+        if not self.regathered:
+            return []
+        earlier, index, group = self.regathered[0]
+        n = len(self.regathered)
+        return [
+            f"hint: {n} all-gather{'s' if n > 1 else ''} sent a shard an earlier all-gather had sent, unchanged "
+            f"(the first: all_gather #{index}, what #{earlier} sent, on {group}); gathering each shard once would "
+            f"issue {n} fewer: with DTensor, PrepareModuleInput on the module whose input their linears share "
+            f"(docs: tuning, 'One collective per region')"
+        ]
+
     def _hint_summed(self) -> list[str]:
         """The hint line of Note [Sums of all-reduced tensors], if any."""
         if not self.summed:
@@ -323,7 +363,7 @@ class Trace:
             f"hint: {terms} all-reduces were added to each other, in {sums} sum{'s' if sums > 1 else ''} "
             f"(the first: all_reduce(sum) {numbers} on {group}); summing before all-reducing would issue "
             f"{terms - sums} fewer: with DTensor, PrepareModuleInput on the module whose input their linears "
-            f"share (docs: tuning, 'Plain TP: one all-reduce per region')"
+            f"share (docs: tuning, 'One collective per region')"
         ]
 
     def debug_string(self) -> str:
@@ -343,6 +383,7 @@ class Trace:
             lines = self._summary() if summary else [r.render() for r in self.collectives]
         if self.dropped:
             lines.insert(0, f"({self.dropped} earlier records dropped)")
+        lines += self._hint_regathered()
         lines += self._hint_summed()
         lines += self.unseen
         # NB: a group= that names another group than the program's collectives

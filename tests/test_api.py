@@ -123,6 +123,31 @@ def test_explain_hints_at_all_reduces_added_to_each_other():
     assert len(trace.summed) == 1 and len(trace.summed[0][1]) == 64, trace.summed
 
 
+def test_explain_hints_at_shards_gathered_twice(pool):
+    """Note [One shard gathered twice]: a gather of the tensor an earlier
+    gather of the block sent, unchanged, on the same group is noted; one
+    written in place between, or another tensor with the same data, is not."""
+    for r in pool.run(_gathered_twice_worker, 2):
+        assert r == [
+            "hint: 2 all-gathers sent a shard an earlier all-gather had sent, unchanged (the first: all_gather #1, "
+            "what #0 sent, on group '2' (2 ranks)); gathering each shard once would issue 2 fewer: with DTensor, "
+            "PrepareModuleInput on the module whose input their linears share (docs: tuning, 'One collective per "
+            "region')"
+        ], r
+
+
+def _gathered_twice_worker(rank, group):
+    x = integer_tensor((8, 16), torch.float32, seed=rank)
+    b = integer_tensor((16, 8), torch.float32, seed=9)
+    with EagerMicroPipeline(min_fuse_bytes=0) as pipe:
+        outs = [all_gather(x, group) @ b for _ in range(2)]  # #0, then #1 sends what #0 sent
+        x.add_(1)  # a write: #2 sends other data
+        outs += [all_gather(x, group) @ b, all_gather(x.clone(), group) @ b]  # #3: a copy, another tensor
+        outs.append(all_gather(x, group) @ b)  # #4 sends what #2 sent
+        torch.stack(outs).sum().item()
+    return [line for line in pipe.explain().splitlines() if line.startswith("hint: ")]
+
+
 def test_plain_ops_pass_through_unchanged():
     x = torch.randn(4, 4)
     with EagerMicroPipeline():

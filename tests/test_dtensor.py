@@ -388,6 +388,51 @@ def test_dtensor_whole_step_with_clipping_and_adamw_inside_the_block(pool, plan,
             assert sum(reason in line for line in r["unfused"]) == want, r["unfused"]
 
 
+def _per_linear_sp_worker(rank, group):
+    """TP + SP with each column-parallel linear gathering its own input
+    (``ColwiseParallel(input_layouts=Shard(1))`` on q, k, v and w1, no
+    ``PrepareModuleInput``): forward and backward against plain eager."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    from eagertp.demo import TransformerBlock
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+
+    def grads_of(ctx):
+        torch.manual_seed(0)
+        plan = {"ln1": SequenceParallel(), "ln2": SequenceParallel()}
+        plan.update({name: ColwiseParallel(input_layouts=Shard(1)) for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1")})
+        plan.update({name: RowwiseParallel(output_layouts=Shard(1)) for name in ("attn.wo", "mlp.w2")})
+        model = parallelize_module(TransformerBlock(16, 4), mesh, plan)
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)).chunk(group.size(), dim=1)[rank]
+        with ctx:
+            model(x.contiguous()).pow(2).mean().backward()
+        return _full_grads(model)
+
+    return _against_plain_eager(grads_of)
+
+
+def test_dtensor_sp_plan_gathering_one_shard_per_linear_fuses_and_says_so(pool):
+    """q, k and v each gather the attention's input shard: three all-gathers
+    of one tensor, and three reduce-scatters of its gradient. Every one fuses,
+    the gradients are plain eager's, and explain() ends with the hint (Note
+    [One shard gathered twice] in eagertp.trace): k's and v's gathers sent
+    what q's had."""
+    for r in pool.run(_per_linear_sp_worker, 2):
+        assert all(r["grads_close"]), r["grads_close"]
+        _explains_every_collective(r["collectives_seen"])
+        assert r["stats"]["all_gather_matmul"] == 6 and r["stats"]["matmul_reduce_scatter"] == 6, r["stats"]
+        hints = [line for line in r["explain"].splitlines() if line.startswith("hint: ")]
+        assert hints == [
+            "hint: 2 all-gathers sent a shard an earlier all-gather had sent, unchanged (the first: all_gather #1, "
+            "what #0 sent, on group '2' (2 ranks)); gathering each shard once would issue 2 fewer: with DTensor, "
+            "PrepareModuleInput on the module whose input their linears share (docs: tuning, 'One collective per "
+            "region')"
+        ], r["explain"]
+
+
 def _full_grads(model: nn.Module) -> list[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
