@@ -198,9 +198,11 @@ class EagerMicroPipeline:
         """One line per all-gather / reduce-scatter / all-reduce: what it fused
         with, or why not; inside the block, gathers still in flight say so.
         ``summary=True``: one line per kind of collective and what became of
-        it, with its count (for loops over many steps or tokens). A ``hint:``
-        line follows where the program added all-reduced tensors to each
-        other (Note [Sums of all-reduced tensors] in eagertp.trace).
+        it, with its count (for loops over many steps or tokens). ``hint:``
+        lines follow where the plan issued collectives the step did not
+        need: a shard gathered again while a gather of it was in flight, or
+        all-reduced tensors added to each other (Note [One shard gathered
+        twice], Note [Sums of all-reduced tensors] in eagertp.trace).
         Collectives on groups the pipeline does not manage (``group=``) are
         counted, a line per op and group, after the rest."""
         group = self._engine.group

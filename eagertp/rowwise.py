@@ -116,7 +116,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eagertp._format import tensor_str
-from eagertp.trace import Meta
+from eagertp.trace import Meta, Trace
 
 if TYPE_CHECKING:
     from eagertp.deferred import GatheredView, PendingGather
@@ -828,19 +828,17 @@ def defer(
     return (results[0] if len(results) == 1 else tuple(results)), None
 
 
-def _note_summed_all_reduces(trace: Any, gather: PendingGather, operands: list[RowOperand]) -> None:
+def _note_summed_all_reduces(trace: Trace, gather: PendingGather, operands: list[RowOperand]) -> None:
     """An add of the gather halves of two sum-all-reduces on one group: say so
     (Note [Sums of all-reduced tensors] in eagertp.trace)."""
+    record = gather.record
+    if not (gather.half_of_all_reduce and record.kind == "all_reduce(sum)"):
+        return
     for op in operands:
         other = op.other
-        if (
-            other is not None
-            and gather.half_of_all_reduce
-            and other.half_of_all_reduce
-            and gather.record.kind == other.record.kind == "all_reduce(sum)"
-            and gather.record.group == other.record.group
-        ):
-            trace.note_summed(gather.record, other.record)
+        if other is not None and other.half_of_all_reduce and other.record.kind == record.kind:
+            if other.record.group == record.group:
+                trace.note_summed(record, other.record)
 
 
 def _read_whole(gather: PendingGather, view: GatheredView) -> bool:
