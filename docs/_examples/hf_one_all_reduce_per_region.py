@@ -18,7 +18,9 @@ autograd sums the partial input gradients, and the region all-reduces once
 ``tp_plan`` as a dict overrides rules of the model's own plan; its keys name
 modules from the top-level model (``model.layers.*``, not ``layers.*``). For
 Llama-like families (the attention at ``self_attn``, the MLP at ``mlp``);
-tested with Llama by tests/test_hf.py.
+tested with Llama by tests/test_hf.py. Where ``mlp`` is a mixture of experts
+(Mixtral), its router reads the input with a replicated weight of its own:
+keep the attention's rule only.
 """
 
 from __future__ import annotations
