@@ -19,8 +19,8 @@ family's greedy ``generate`` under ``inference_mode`` (TP inference) gives
 plain eager's tokens. And Llama, in the stacks HF users run it in: two steps
 in one pipeline, HF's own gradient checkpointing, HF's FSDP2 x TP
 (``fsdp_size=2, tp_size=2``), and the plan override docs/tuning.md shows
-(one all-reduce per attention and MLP): plain eager's gradients, every
-matmul all-reduce fused.
+(one all-reduce per attention and MLP; on Mixtral, per attention): plain
+eager's gradients, every matmul all-reduce fused.
 
 Wiring: transformers builds its device mesh with ``init_device_mesh`` over the
 *whole* default process group and requires the mesh to cover it
@@ -135,6 +135,16 @@ def _hf_worker(rank, group, path, families):
                 distributed_config=DistributedConfig(
                     tp_plan=region.ONE_ALL_REDUCE_PER_REGION, tp_size=dist.get_world_size(group)
                 ),
+                dtype=torch.float32,
+            ))
+        if family == "mixtral":
+            # The override's attention rule alone: its mlp is the experts' block
+            region = _docs_example("hf_one_all_reduce_per_region")
+            region.register()
+            attention_only = {k: v for k, v in region.ONE_ALL_REDUCE_PER_REGION.items() if k.endswith("self_attn")}
+            reports["mixtral one all-reduce per attention"] = _compare_step(AutoModelForCausalLM.from_pretrained(
+                os.path.join(path, family),
+                distributed_config=DistributedConfig(tp_plan=attention_only, tp_size=dist.get_world_size(group)),
                 dtype=torch.float32,
             ))
         if family in _IN_PIECES:
@@ -309,6 +319,21 @@ def test_hf_llama_one_all_reduce_per_region(hf_reports):
         lines = r["explain"].splitlines()
         assert sum(": fused with mm + mm + mm ->" in line for line in lines) == 2, r["explain"]  # q, k, v
         assert sum(": fused with mm + mm ->" in line for line in lines) == 2, r["explain"]  # gate, up
+        assert not any(line.startswith("hint: ") for line in lines), r["explain"]
+
+
+def test_hf_mixtral_one_all_reduce_per_attention(hf_reports):
+    """The override's attention rule alone on an MoE model (its ``mlp`` is the
+    experts' block, as the example says): q's, k's and v's input gradients
+    summed before one all-reduce, 10 all-reduces a step -> 6 (and the
+    experts' 6 sums, as before); plain eager's answers, no hint left."""
+    results = hf_reports["mixtral one all-reduce per attention"]
+    _check_common(results, "mixtral")
+    for r in results:
+        assert r["eager_collectives"] == {"all_reduce": 6, "allreduce_": 6, "all_gather_into_tensor": 1}, r
+        assert r["stats"]["matmul_all_reduce"] == 5, r
+        lines = r["explain"].splitlines()
+        assert sum(": fused with mm + mm + mm ->" in line for line in lines) == 2, r["explain"]
         assert not any(line.startswith("hint: ") for line in lines), r["explain"]
 
 
