@@ -303,37 +303,36 @@ def test_hf_transformers_tp_plan_llama_fuses_every_matmul_all_reduce(hf_reports)
         assert "not fused [ring]: no matmul consumed it before aten._log_softmax.default" in unfused[1], unfused
 
 
-def test_hf_llama_one_all_reduce_per_region(hf_reports):
+@pytest.mark.parametrize(
+    "report, family, eager, fused, sums",
+    [
+        # Llama: q, k, v and gate, up summed first: 10 all-reduces a step, not 16.
+        ("llama one all-reduce per region", "llama", {"all_reduce": 10, "all_gather_into_tensor": 1}, 9,
+         {"mm + mm + mm": 2, "mm + mm": 2}),
+        # Mixtral, the attention's rule alone (its mlp is the experts' block): 6, not 10,
+        # and the experts' 6 sums, as before.
+        ("mixtral one all-reduce per attention", "mixtral",
+         {"all_reduce": 6, "allreduce_": 6, "all_gather_into_tensor": 1}, 5, {"mm + mm + mm": 2, "mm + mm": 0}),
+    ],
+    ids=["llama", "mixtral_attention"],
+)
+def test_hf_plan_override_all_reduces_once_per_region(hf_reports, report, family, eager, fused, sums):
     """The plan override docs/tuning.md shows for HF
     (``docs/_examples/hf_one_all_reduce_per_region.py``): each layer's
-    attention and MLP take their input once, so q's, k's and v's input
-    gradients, and gate's and up's, are summed before one all-reduce each:
-    plain eager issues 10 all-reduces a step under it, not 16. Every one of
-    a matmul output fuses, with all of its region's matmuls; plain eager's
-    answers under the same plan."""
-    results = hf_reports["llama one all-reduce per region"]
-    _check_common(results, "llama")
+    attention (and MLP) take their input once, so their linears' input
+    gradients are summed before one all-reduce each. Every all-reduce of a
+    matmul output fuses, with all of its region's matmuls; plain eager's
+    answers under the same plan; no hint left."""
+    results = hf_reports[report]
+    _check_common(results, family)
     for r in results:
-        assert r["eager_collectives"] == {"all_reduce": 10, "all_gather_into_tensor": 1}, r
-        assert r["stats"]["matmul_all_reduce"] == 9 and r["stats"]["unfused_all_reduce"] == 1, r
+        assert r["eager_collectives"] == eager, r
+        # The rest (the embedding's, the experts' sums) unfused, with their reasons.
+        assert r["stats"]["matmul_all_reduce"] == fused, r
+        assert r["stats"]["unfused_all_reduce"] == sum(eager.values()) - 1 - fused, r
         lines = r["explain"].splitlines()
-        assert sum(": fused with mm + mm + mm ->" in line for line in lines) == 2, r["explain"]  # q, k, v
-        assert sum(": fused with mm + mm ->" in line for line in lines) == 2, r["explain"]  # gate, up
-        assert not any(line.startswith("hint: ") for line in lines), r["explain"]
-
-
-def test_hf_mixtral_one_all_reduce_per_attention(hf_reports):
-    """The override's attention rule alone on an MoE model (its ``mlp`` is the
-    experts' block, as the example says): q's, k's and v's input gradients
-    summed before one all-reduce, 10 all-reduces a step -> 6 (and the
-    experts' 6 sums, as before); plain eager's answers, no hint left."""
-    results = hf_reports["mixtral one all-reduce per attention"]
-    _check_common(results, "mixtral")
-    for r in results:
-        assert r["eager_collectives"] == {"all_reduce": 6, "allreduce_": 6, "all_gather_into_tensor": 1}, r
-        assert r["stats"]["matmul_all_reduce"] == 5, r
-        lines = r["explain"].splitlines()
-        assert sum(": fused with mm + mm + mm ->" in line for line in lines) == 2, r["explain"]
+        for terms, n in sums.items():
+            assert sum(f": fused with {terms} ->" in line for line in lines) == n, (terms, r["explain"])
         assert not any(line.startswith("hint: ") for line in lines), r["explain"]
 
 
