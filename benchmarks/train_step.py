@@ -12,12 +12,12 @@ communication), timed in the same run.
 The model and the TP plan are the demo's (eagertp.demo); with
 ``--no-sequence-parallel`` the plan is plain TP (Colwise/Rowwise, activations
 replicated), whose collectives are all-reduces (matmul + all-reduce fused), and
-with ``--one-all-reduce-per-region`` as well, one all-reduce of q's, k's and v's
-summed input gradients instead of one each (the demo's ``tensor_parallel_plan``). Each sample is one
-forward + backward; the optimizer step is outside the timed region. With
-``--inference`` it is one forward under ``torch.inference_mode()``, as TP
-inference (a prefill) runs it. CUDA and a
-torch.compile peer (Inductor's micro-pipeline TP) are not measured here yet:
+with ``--one-all-reduce-per-region`` as well, one all-reduce of q's, k's and
+v's summed input gradients instead of one each (the demo's
+``tensor_parallel_plan``). Each sample is one forward + backward; the
+optimizer step is outside the timed region. With ``--inference`` it is one
+forward under ``torch.inference_mode()``, as TP inference (a prefill) runs
+it. CUDA and a torch.compile peer (Inductor's micro-pipeline TP) are not measured here yet:
 the CPU machines this runs on have neither a GPU nor symmetric memory.
 
 The bound runs the step under ``_NoCommunication``, which replaces every

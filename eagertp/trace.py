@@ -227,6 +227,13 @@ class CollectiveRecord:
 # (later terms go uncounted).
 _MAX_SUMMED = 64
 
+# What the hints of Note [Sums of all-reduced tensors] and Note [One shard
+# gathered twice] advise: one fix for both.
+_HINT_FIX = (
+    "with DTensor, PrepareModuleInput on the module whose input their linears share "
+    "(docs: tuning, 'One collective per region')"
+)
+
 
 class Trace:
     """Bounded, ordered trace of events plus the per-collective records.
@@ -348,8 +355,7 @@ class Trace:
         return [
             f"hint: {n} all-gather{'s' if n > 1 else ''} sent a shard an earlier all-gather had sent, unchanged "
             f"(the first: all_gather #{index}, what #{earlier} sent, on {group}); gathering each shard once would "
-            f"issue {n} fewer: with DTensor, PrepareModuleInput on the module whose input their linears share "
-            f"(docs: tuning, 'One collective per region')"
+            f"issue {n} fewer: {_HINT_FIX}"
         ]
 
     def _hint_summed(self) -> list[str]:
@@ -362,8 +368,7 @@ class Trace:
         return [
             f"hint: {terms} all-reduces were added to each other, in {sums} sum{'s' if sums > 1 else ''} "
             f"(the first: all_reduce(sum) {numbers} on {group}); summing before all-reducing would issue "
-            f"{terms - sums} fewer: with DTensor, PrepareModuleInput on the module whose input their linears "
-            f"share (docs: tuning, 'One collective per region')"
+            f"{terms - sums} fewer: {_HINT_FIX}"
         ]
 
     def debug_string(self) -> str:
