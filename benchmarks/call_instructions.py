@@ -32,6 +32,22 @@ rank 0's own thread: not imports, start-up or warm-up, and not gloo's threads
 with the same ``--forms`` and ``--calls``; compare those only: another order
 or number of calls moves them by up to 20% (Python's garbage collector and
 allocator run at other calls).
+
+With ``--hand``, the three fused forms also run with no mode, twice: the
+collective issued on the process group itself (``direct``:
+``group._reduce_scatter_base``, ``allreduce``, ``_allgather_base``; no
+funcol) and the schedule of ``hand_schedules.py`` (``hand``: in one piece, as
+eagertp's ring sends 64 x 64; its buffers made at each call, as a program's
+results are; its messages posted with the process group's own ``send`` and
+``recv`` as eagertp's ring posts them, ``--hand group``, or with
+torch.distributed's ``isend`` and ``irecv``, ``--hand dist``). ``hand -
+direct`` is what overlapping by hand costs the host over the one collective
+it replaces (gloo runs a collective on its own threads, not counted, and a
+point-to-point message partly on the caller's); eagertp's own is the same
+swap plus eagertp's bookkeeping (the ops eagertp issues run inside its own
+dispatch, where no mode sees them, as the hand schedule's run where no mode
+is set).
+
 Prints rank 0's instructions per call in each mode, eagertp's own (its
 difference from the empty mode) and eagertp's ratios to both empty modes.
 ``--frames`` runs no valgrind and counts eagertp's own Python frames in one
@@ -42,6 +58,7 @@ takes seconds, for a loop of small changes between callgrind runs. Takes a few m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import operator
@@ -73,6 +90,9 @@ ENTRY_POINTS = {
 # Forms that are a whole training step: the mode entered per step.
 STEPS = ("train_step", "train_step_no_sp")
 MODES = ("empty", "desugaring", "eagertp")
+HAND_MODES = ("direct", "hand")  # with --hand
+# The forms with a hand-written schedule (the hand mode runs the others as written).
+HAND_FORMS = ("matmul_reduce_scatter", "matmul_all_reduce", "all_gather_matmul")
 _WARMUP = 10
 
 
@@ -86,6 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--forms", nargs="+", choices=list(ENTRY_POINTS), default=[f for f in ENTRY_POINTS if f not in STEPS],
         help="the calls by default; the training steps (about 1,000 calls' worth each) when named",
+    )
+    parser.add_argument(
+        "--hand", choices=("group", "dist"), default=None,
+        help="also count the fused forms written by hand (hand_schedules.py), their messages posted by the "
+        "process group's own send/recv (as eagertp's ring posts) or by torch.distributed's isend/irecv",
     )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     parser.add_argument(
@@ -116,7 +141,7 @@ def rank_program(args: argparse.Namespace) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from eagertp import EagerMicroPipeline, demo
-        from eagertp._compat import funcol_all_gather, funcol_reduce_scatter
+        from eagertp._compat import exit_spawned_rank, funcol_all_gather, funcol_reduce_scatter
 
     class EmptyMode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -137,7 +162,8 @@ def rank_program(args: argparse.Namespace) -> None:
                 return NotImplemented
             return func(*args, **(kwargs or {}))
 
-    modes = {"empty": EmptyMode, "desugaring": DesugaringMode}
+    modes = {"empty": EmptyMode, "desugaring": DesugaringMode, "direct": contextlib.nullcontext,
+             "hand": contextlib.nullcontext}
 
     dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
     torch.set_num_threads(1)
@@ -150,6 +176,37 @@ def rank_program(args: argparse.Namespace) -> None:
         "all_gather_matmul": lambda: (funcol_all_gather(a, 0, group) @ b).sum(),
         "deferred_matmul": lambda: (a @ b).relu().sum(),
     }
+    if mode in HAND_MODES:
+        import hand_schedules as hand
+
+        def direct_reduce_scatter():
+            out = a.new_empty(a.shape[0] // 2, b.shape[1])
+            group._reduce_scatter_base(out, a @ b).wait()
+            return out.sum()
+
+        def direct_all_reduce():
+            c = a @ b
+            group.allreduce([c]).wait()
+            return c.sum()
+
+        def direct_all_gather():
+            out = a.new_empty(a.shape[0] * 2, a.shape[1])
+            group._allgather_base(out, a).wait()
+            return (out @ b).sum()
+
+        p2p = hand.P2P.on(group) if args.hand == "group" else hand.DIST
+        written = {form: forms[form]() for form in HAND_FORMS}
+        forms.update(
+            {"matmul_reduce_scatter": direct_reduce_scatter, "matmul_all_reduce": direct_all_reduce,
+             "all_gather_matmul": direct_all_gather} if mode == "direct" else
+            {"matmul_reduce_scatter": lambda: hand.matmul_reduce_scatter(a, b, 1, p2p)().sum(),
+             "matmul_all_reduce": lambda: hand.matmul_all_reduce(a, b, 1, p2p)().sum(),
+             "all_gather_matmul": lambda: hand.all_gather_matmul(a, b, 1, p2p=p2p)().sum()}
+        )
+        # NB: they compute what the program as written does (sums of the same products, perhaps
+        # added in another order: a tolerance).
+        same = all(torch.allclose(forms[form](), want, rtol=1e-4, atol=1e-3) for form, want in written.items())
+        print(f"{mode} forms {'match' if same else 'DIFFER FROM'} the program as written")
 
     pipe = EagerMicroPipeline(min_fuse_bytes=0)
     block = modes.get(mode, lambda: pipe)
@@ -206,6 +263,9 @@ def rank_program(args: argparse.Namespace) -> None:
         for form, n in frames.items():
             print(f"frames {form} {n}")
     dist.destroy_process_group()
+    # NB: no finalising: the direct collectives' Work left gloo's threads to abort there (docstring of
+    # exit_spawned_rank); callgrind still writes its counts at the process's exit.
+    exit_spawned_rank(0)
 
 
 def _frames_of(fn) -> int:
@@ -261,12 +321,13 @@ def main(argv=None) -> None:
     toggles = [f"--toggle-collect={ENTRY_POINTS[form][0]}" for form in args.forms]
     with tempfile.TemporaryDirectory() as tmp:
         procs = {}
-        for mode in MODES:  # every mode at once: each is its own group of ranks
+        for mode in MODES + (HAND_MODES if args.hand else ()):  # every mode at once: each its own ranks
             port = str(_harness._free_port())
             for rank in range(world):
                 out = os.path.join(tmp, f"{mode}.{rank}.out")
                 cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *toggles,
                        sys.executable, __file__, "--calls", str(args.calls), "--forms", *args.forms,
+                       *(("--hand", args.hand) if args.hand else ()),
                        "--rank-program", mode, str(rank), port, str(world)]
                 procs[mode, rank] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out)
         counts, stats = {}, ""
@@ -277,19 +338,30 @@ def main(argv=None) -> None:
             if rank == 0:
                 counts[mode] = _count(out, args.calls)
                 stats = stats or (stdout.strip() if mode == "eagertp" else "")
+                if mode in HAND_MODES and f"{mode} forms match" not in stdout:
+                    raise SystemExit(f"the {mode} forms do not compute the program's results:\n{stdout}")
     print(f"call_instructions: {world} ranks, gloo, 64 x 64 float32, rank 0's instructions per call "
           f"(callgrind, {args.calls} calls)")
     rows = [
         {"form": form, "empty": counts["empty"][form], "desugaring": counts["desugaring"][form],
          "eagertp": counts["eagertp"][form], "added": counts["eagertp"][form] - counts["empty"][form],
          "ratio": counts["eagertp"][form] / counts["empty"][form],
-         "ratio_desugaring": counts["eagertp"][form] / counts["desugaring"][form]}
+         "ratio_desugaring": counts["eagertp"][form] / counts["desugaring"][form],
+         **({"direct": counts["direct"][form], "hand_total": counts["hand"][form],
+             "hand": counts["hand"][form] - counts["direct"][form]} if args.hand and form in HAND_FORMS else {})}
         for form in args.forms
     ]
     print(_harness.table(rows, [("form", "form", "s"), ("empty", "empty mode", ",.0f"),
                                 ("desugaring", "desugaring mode", ",.0f"), ("eagertp", "eagertp", ",.0f"),
                                 ("added", "eagertp's own", ",.0f"), ("ratio", "/ empty", ".2f"),
                                 ("ratio_desugaring", "/ desugaring", ".2f")]))
+    hand_rows = [r for r in rows if "hand" in r]
+    if hand_rows:
+        print(f"\nwith no mode (--hand {args.hand}): the collective on the process group itself, the schedule "
+              "written by hand, what the schedule adds (hand - direct), and eagertp's own (eagertp - empty mode)")
+        print(_harness.table(hand_rows, [("form", "form", "s"), ("direct", "direct", ",.0f"),
+                                         ("hand_total", "hand", ",.0f"), ("hand", "hand - direct", ",.0f"),
+                                         ("added", "eagertp's own", ",.0f")]))
     print(f"eagertp {stats}")
     _harness.write_json(args.json, {"calls": args.calls, "world_size": world, "rows": rows})
 

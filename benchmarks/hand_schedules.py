@@ -31,17 +31,38 @@ contribution to chunk c of the product; ``j``: a piece)::
                          wait
 
 Every message of a schedule is posted in the same order on both ranks, with
-the default tag, so the pieces match in order.
+the default tag, so the pieces match in order. A schedule's call returns its
+result (``call_instructions.py`` reads it as the program reads the op's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 PIECES = (1, 2, 4, 8)
+
+
+class P2P(NamedTuple):
+    """How a schedule posts its messages to the peer: ``isend(t, peer)`` and
+    ``irecv(t, peer)``, each returning its ``Work``."""
+
+    isend: Callable[[torch.Tensor, int], dist.Work]
+    irecv: Callable[[torch.Tensor, int], dist.Work]
+
+    @staticmethod
+    def on(group: dist.ProcessGroup) -> P2P:
+        """The process group's own ``send``/``recv``, as eagertp's ring posts:
+        none of torch.distributed's Python around each message (the host
+        cost of the schedule itself, ``call_instructions.py``)."""
+        return P2P(lambda t, peer: group.send([t], peer, 0), lambda t, peer: group.recv([t], peer, 0))
+
+
+# torch.distributed's isend/irecv on the default group: what a program writes.
+DIST = P2P(lambda t, peer: dist.isend(t, dst=peer), lambda t, peer: dist.irecv(t, src=peer))
 
 
 def _split(n: int, pieces: int) -> list[slice]:
@@ -55,8 +76,12 @@ def _wait(works: list[dist.Work]) -> None:
 
 
 def all_gather_matmul(
-    shard: torch.Tensor, b: torch.Tensor, pieces: int, independent: Callable[[], None] | None = None
-) -> Callable[[], None]:
+    shard: torch.Tensor,
+    b: torch.Tensor,
+    pieces: int,
+    independent: Callable[[], None] | None = None,
+    p2p: P2P = DIST,
+) -> Callable[[], torch.Tensor]:
     """``y = all_gather(shard) @ b``, gather dim 0; ``independent`` runs
     between posting the gather and consuming it."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
@@ -65,9 +90,9 @@ def all_gather_matmul(
     y = shard.new_empty(2, m, b.shape[1])
     rows = _split(m, pieces)
 
-    def run() -> None:
-        recvs = [dist.irecv(gathered[peer][r], src=peer) for r in rows]
-        sends = [dist.isend(shard[r], dst=peer) for r in rows]
+    def run() -> torch.Tensor:
+        recvs = [p2p.irecv(gathered[peer][r], peer) for r in rows]
+        sends = [p2p.isend(shard[r], peer) for r in rows]
         if independent is not None:
             independent()
         torch.mm(shard, b, out=y[rank])
@@ -75,11 +100,14 @@ def all_gather_matmul(
             work.wait()
             torch.mm(gathered[peer][r], b, out=y[peer][r])
         _wait(sends)
+        return y.view(2 * m, -1)
 
     return run
 
 
-def all_gather_matmul_k(shard: torch.Tensor, b: torch.Tensor, pieces: int) -> Callable[[], None]:
+def all_gather_matmul_k(
+    shard: torch.Tensor, b: torch.Tensor, pieces: int, p2p: P2P = DIST
+) -> Callable[[], torch.Tensor]:
     """``y = all_gather(shard, dim=1) @ b``: column blocks of A, partial products summed."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     m, k = shard.shape
@@ -88,19 +116,22 @@ def all_gather_matmul_k(shard: torch.Tensor, b: torch.Tensor, pieces: int) -> Ca
     rows = _split(m, pieces)
     b_own, b_peer = b[rank * k : (rank + 1) * k], b[peer * k : (peer + 1) * k]
 
-    def run() -> None:
-        recvs = [dist.irecv(received[r], src=peer) for r in rows]
-        sends = [dist.isend(shard[r], dst=peer) for r in rows]
+    def run() -> torch.Tensor:
+        recvs = [p2p.irecv(received[r], peer) for r in rows]
+        sends = [p2p.isend(shard[r], peer) for r in rows]
         torch.mm(shard, b_own, out=y)
         for r, work in zip(rows, recvs):
             work.wait()
             y[r].addmm_(received[r], b_peer)
         _wait(sends)
+        return y
 
     return run
 
 
-def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, pieces: int) -> Callable[[], None]:
+def matmul_reduce_scatter(
+    a: torch.Tensor, b: torch.Tensor, pieces: int, p2p: P2P = DIST
+) -> Callable[[], torch.Tensor]:
     """``out = reduce_scatter(a @ b)``: the peer's chunk first, in pieces, each sent as computed."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     m = a.shape[0] // 2
@@ -108,22 +139,25 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, pieces: int) -> Call
     send_buf, recv_buf, out = (a.new_empty(m, b.shape[1]) for _ in range(3))
     rows = _split(m, pieces)
 
-    def run() -> None:
-        recvs = [dist.irecv(recv_buf[r], src=peer) for r in rows]
+    def run() -> torch.Tensor:
+        recvs = [p2p.irecv(recv_buf[r], peer) for r in rows]
         sends = []
         for r in rows:
             torch.mm(theirs[r], b, out=send_buf[r])
-            sends.append(dist.isend(send_buf[r], dst=peer))
+            sends.append(p2p.isend(send_buf[r], peer))
         torch.mm(own, b, out=out)
         for r, work in zip(rows, recvs):
             work.wait()
             out[r].add_(recv_buf[r])
         _wait(sends)
+        return out
 
     return run
 
 
-def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, pieces: int) -> Callable[[], None]:
+def matmul_all_reduce(
+    a: torch.Tensor, b: torch.Tensor, pieces: int, p2p: P2P = DIST
+) -> Callable[[], torch.Tensor]:
     """``y = all_reduce(a @ b)``: the reduce-scatter's schedule, each reduced
     piece sent on as soon as it is final."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
@@ -133,46 +167,50 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, pieces: int) -> Callable
     send_buf, recv_buf = (a.new_empty(m, b.shape[1]) for _ in range(2))
     rows = _split(m, pieces)
 
-    def run() -> None:
-        partials = [dist.irecv(recv_buf[r], src=peer) for r in rows]
-        reduced = [dist.irecv(y[peer][r], src=peer) for r in rows]
+    def run() -> torch.Tensor:
+        partials = [p2p.irecv(recv_buf[r], peer) for r in rows]
+        reduced = [p2p.irecv(y[peer][r], peer) for r in rows]
         sends = []
         for r in rows:
             torch.mm(theirs[r], b, out=send_buf[r])
-            sends.append(dist.isend(send_buf[r], dst=peer))
+            sends.append(p2p.isend(send_buf[r], peer))
         for r, work in zip(rows, partials):
             torch.mm(own[r], b, out=y[rank][r])
             work.wait()
             y[rank][r].add_(recv_buf[r])
-            sends.append(dist.isend(y[rank][r], dst=peer))
+            sends.append(p2p.isend(y[rank][r], peer))
         _wait(reduced)
         _wait(sends)
+        return y.view(2 * m, -1)
 
     return run
 
 
-def matmul_all_gather(a: torch.Tensor, b: torch.Tensor, pieces: int) -> Callable[[], None]:
+def matmul_all_gather(
+    a: torch.Tensor, b: torch.Tensor, pieces: int, p2p: P2P = DIST
+) -> Callable[[], torch.Tensor]:
     """``y = all_gather(a @ b)``: this rank's product made in pieces, each sent as made."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     m = a.shape[0]
     y = a.new_empty(2, m, b.shape[1])
     rows = _split(m, pieces)
 
-    def run() -> None:
-        recvs = [dist.irecv(y[peer][r], src=peer) for r in rows]
+    def run() -> torch.Tensor:
+        recvs = [p2p.irecv(y[peer][r], peer) for r in rows]
         sends = []
         for r in rows:
             torch.mm(a[r], b, out=y[rank][r])
-            sends.append(dist.isend(y[rank][r], dst=peer))
+            sends.append(p2p.isend(y[rank][r], peer))
         _wait(recvs)
         _wait(sends)
+        return y.view(2 * m, -1)
 
     return run
 
 
 def all_gather_indep_matmul(
     shard: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, pieces: int
-) -> Callable[[], None]:
+) -> Callable[[], torch.Tensor]:
     """The prefetch form: the gather posted, the independent matmul, then the consumer by piece."""
     z = a2.new_empty(a2.shape[0], b2.shape[1])
     return all_gather_matmul(shard, b, pieces, independent=lambda: torch.mm(a2, b2, out=z))

@@ -111,22 +111,30 @@ def test_call_cost_splits_a_fused_call_into_phases(form, columns, n_phases, mark
         assert len(phases) == 2 and len(phases[0].split()) == 3, out  # plain eager's issue, z, y
 
 
-def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
-    """Its ranks' program, run as callgrind would run it (CI has no valgrind),
-    takes the fused paths it claims to count; and callgrind_annotate's lines
-    are read as instructions per call."""
-    _harness, call_instructions = _benchmark_module("_harness"), _benchmark_module("call_instructions")
-    port = str(_harness._free_port())
+def _call_instructions_ranks(mode: str, forms, *flags: str) -> list[tuple[str, str]]:
+    """Both ranks' programs of call_instructions.py in ``mode``, 2 counted calls
+    of ``forms``, run as callgrind would run them (CI has no valgrind): their
+    (stdout, stderr)."""
+    port = str(_benchmark_module("_harness")._free_port())
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(BENCHMARKS / "call_instructions.py"), "--calls", "2", "--forms",
-             *call_instructions.ENTRY_POINTS, "--rank-program", "eagertp", str(rank), port, "2"],
+            [sys.executable, str(BENCHMARKS / "call_instructions.py"), "--calls", "2", "--forms", *forms, *flags,
+             "--rank-program", mode, str(rank), port, "2"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for rank in range(2)
     ]
     outs = [rank.communicate(timeout=120) for rank in ranks]
     assert all(rank.returncode == 0 for rank in ranks), outs
+    return outs
+
+
+def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
+    """Its ranks' program, run as callgrind would run it (CI has no valgrind),
+    takes the fused paths it claims to count; and callgrind_annotate's lines
+    are read as instructions per call."""
+    call_instructions = _benchmark_module("call_instructions")
+    outs = _call_instructions_ranks("eagertp", call_instructions.ENTRY_POINTS)
     stats = re.search(r"^stats (\{.*\})$", outs[0][0], re.MULTILINE)
     assert stats is not None, outs
     fused = ast.literal_eval(stats.group(1))
@@ -145,6 +153,15 @@ def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
     assert call_instructions.parse_inclusive(annotated, 100) == {
         "matmul_reduce_scatter": 1_476_017.05, "matmul_all_reduce": 1_980_592.03
     }
+
+
+@pytest.mark.parametrize("mode", ["direct", "hand"])
+def test_call_instructions_hand_forms_compute_the_programs_results(mode):
+    """``--hand``'s forms (the collective on the process group itself;
+    hand_schedules.py's schedules) compute what the program as written does:
+    else the script stops rather than count them."""
+    outs = _call_instructions_ranks(mode, _benchmark_module("call_instructions").HAND_FORMS, "--hand", "group")
+    assert all(f"{mode} forms match the program as written" in out for out, _ in outs), outs
 
 
 def test_call_instructions_counts_frames_without_valgrind():
