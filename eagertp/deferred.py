@@ -1010,7 +1010,9 @@ class PendingGather:
         return None
 
     def placeholders(self) -> list[torch.Tensor]:
-        found = [v.tensor for v in self.views]
+        found = []
+        for v in self.views:  # NB: a loop, not a comprehension's frame: every completion asks
+            found.append(v.tensor)
         for mm in self.consumers:
             found.append(mm.out)
         for w in self.wholes:

@@ -131,7 +131,7 @@ class Deferring:
                 # NB: before the backend is chosen: symm_mem's first use of a
                 # group rendezvouses, a collective that mismatched ranks would hang in.
                 check_ranks_agree(gather_signature(shard), group)
-            backend, gather.backend = self.choose_backend(shard, group)
+            backend, gather.backend = self.backend.for_collective(shard, group)
             record.backend = gather.backend
             why_not = None if product is None else backend.why_not_produce_all_gather(shard, group)
             if why_not is not None:
@@ -231,12 +231,6 @@ class Deferring:
         self.stats["matmul_all_gather"] += 1
         self.trace.mark_fused(gather.record, [product.describe()], gather.backend)
         self.trace.event("matmul_all_gather(${}) [{}]", product.tid, gather.backend)
-
-    def choose_backend(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str]:
-        """The backend for a collective on ``t``, and its label for explain()
-        (with the note of why ``auto`` did not pick symm_mem, if any)."""
-        backend, note = self.backend.for_collective(t, group)
-        return backend, backend.name if note is None else f"{backend.name}; {note}"
 
     def gather_reference(self, gather: PendingGather) -> None:
         """Plain eager's gather of ``gather.shard``, for ``verify=True`` to compare

@@ -18,9 +18,9 @@ Note [Deferral boundary] in ``eagertp.deferred`` says when each happens. The
 handlers (``eagertp.collectives``, ``eagertp.matmuls``) turn ops into these
 calls; the reduce-scatter and all-reduce families run their fused collectives
 in their own modules with the engine's small surface for them
-(``choose_backend``, ``add_gather``, ``gather_reference``, ``issue_as_is``,
-``new_record``, ``eagertp.issuing``). The public class (``eagertp.pipeline``)
-owns the engine; the engine imports no family.
+(``backend.for_collective``, ``add_gather``, ``gather_reference``,
+``issue_as_is``, ``new_record``, ``eagertp.issuing``). The public class
+(``eagertp.pipeline``) owns the engine; the engine imports no family.
 
 What the engine reads, split by concern: ``eagertp.op_facts`` (what an op
 writes and reads, from its schema), ``eagertp.operands`` (which gather in
@@ -464,7 +464,9 @@ class Engine(Deferring, Accounting):
         for item in items:
             if isinstance(item, PendingGather):
                 with IssuingWork(self):  # NB: issuing_work(), one frame shorter
-                    failure = self._complete_items(self._with_work_in_flight(items, keep), items, reason)
+                    # NB: the item alone (a read of one gather): nothing in flight, no frame to say so.
+                    ordered = items if len(self.store.items) == 1 else self._with_work_in_flight(items, keep)
+                    failure = self._complete_items(ordered, items, reason)
                 break
         else:
             # NB: the hot path, a read of products: nothing to order, and nothing
@@ -515,8 +517,6 @@ class Engine(Deferring, Accounting):
         """``items``, each gather preceded by every standalone product still
         pending and not absorbed but those in ``keep``: the transfer hides
         behind them (Note [Work issued while a gather is in flight])."""
-        if len(self.store.items) == 1:  # NB: the item alone (a read of one gather): nothing in flight
-            return items
         ordered: list[Pending] = []
         products = self.store.standalone(absorbed=False)
         for item in items:

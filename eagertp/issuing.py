@@ -34,7 +34,9 @@ class IssuingWork:
     def __enter__(self) -> None:
         engine = self.engine
         if not engine.issuing and engine.unseen.known:  # Note [Collectives the mode did not see]
-            engine.check_unseen()
+            found = engine.unseen.check_all()  # NB: Engine.check_unseen, one frame shorter
+            if found:
+                engine.record_unseen(found)
         self.below_autograd = torch._C._AutoDispatchBelowADInplaceOrView()
         self.below_autograd.__enter__()
         self.was_issuing, engine.issuing = engine.issuing, True

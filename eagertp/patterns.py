@@ -79,10 +79,13 @@ class AllGatherMatmulPlan:
     # consumers are bound by then: the plan completes the gather.
     fused: bool = dataclasses.field(init=False)
     name: str = dataclasses.field(init=False)  # the stats key and profiler range
+    handle: GatherHandle = dataclasses.field(init=False)  # the gather's, started
 
     def __post_init__(self) -> None:
         self.fused = bool(self.gather.consumers)
         self.name = "all_gather_matmul" if self.fused else "all_gather"
+        self.handle = self.gather.handle
+        assert self.handle is not None, f"all_gather ${self.gather.tid} completed before it started"
 
     @property
     def record(self) -> CollectiveRecord:
@@ -98,7 +101,9 @@ class AllGatherMatmulPlan:
         return self.gather.shard
 
     def fused_with(self) -> list[Text]:
-        consumers: list[Text] = [mm.describe() for mm in self.gather.consumers]
+        consumers: list[Text] = []
+        for mm in self.gather.consumers:  # NB: a loop, not a comprehension's frame: every fused gather
+            consumers.append(mm.describe())
         g = self.gather
         if consumers and (g.steps or g.wholes):  # Note [Row-wise ops on gathered rows] in eagertp.rowwise
             parts = [f"{', '.join(step.name for step in g.steps)} (row by row)"] if g.steps else []
@@ -116,7 +121,7 @@ class AllGatherMatmulPlan:
         hid), so the consumers should run on the whole tensors at once: one
         matmul each, as plain eager runs them, with nothing left to overlap
         (Note [Landed gathers])."""
-        return WHOLE_WHEN_LANDED and self.fused and bool(self._handle().landed())
+        return WHOLE_WHEN_LANDED and self.fused and bool(self.handle.landed())
 
     def run(self, *, whole: bool = False, own_chunk_unread: bool = False) -> None:
         """Bind the consumers to the gather in flight and complete it: chunk by
@@ -124,7 +129,7 @@ class AllGatherMatmulPlan:
         be empty: the whole matmuls read whole scales). ``own_chunk_unread``:
         nothing reads the gathered tensor after the consumers (Note [This
         rank's chunk, unread] in eagertp.engine)."""
-        handle = self._handle()
+        handle = self.handle
         assert not (whole and self.scales), "whole consumers read scales completed first"
         self.whole = whole
         if self.whole:
@@ -133,11 +138,6 @@ class AllGatherMatmulPlan:
             self._compute_whole(g.out, [v.tensor for v in g.views[1:]], [mm.out for mm in g.consumers], _landed)
         else:
             handle.consume(self.consumer(), own_chunk_unread=own_chunk_unread)
-
-    def _handle(self) -> GatherHandle:
-        handle = self.gather.handle
-        assert handle is not None, f"all_gather ${self.gather.tid} completed before it started"
-        return handle
 
     def signature(self) -> str:
         """What every rank must agree on for the messages to match."""
@@ -181,7 +181,8 @@ class AllGatherMatmulPlan:
         if not steps:
             return None
 
-        scale_handles, scales_landed = [s.handle for s in self.scales], set()
+        # NB: no comprehension's frame where there are no scales (most gathers).
+        scale_handles, scales_landed = [s.handle for s in self.scales] if self.scales else [], set()
 
         def consume(piece: torch.Tensor, src: int, rows: slice) -> None:
             if scale_handles and src not in scales_landed:

@@ -301,7 +301,8 @@ class Trace:
     ) -> None:
         record.reason = reason
         record.backend = backend
-        log.debug("eagertp: %s", record)
+        if log.isEnabledFor(logging.DEBUG):  # NB: Logger.debug asks it too, one frame deeper: every record
+            log.debug("eagertp: %s", record)
 
     def mark_fused(
         self, record: CollectiveRecord, fused_with: list[Text], backend: str, *, scale_of: list[Text] | None = None
@@ -309,7 +310,8 @@ class Trace:
         record.fused_with = fused_with
         record.scale_of = scale_of or None
         record.backend = backend
-        log.debug("eagertp: %s", record)
+        if log.isEnabledFor(logging.DEBUG):  # NB: Logger.debug asks it too, one frame deeper: every record
+            log.debug("eagertp: %s", record)
 
     def pass_through(self, func: Any, group: str) -> None:
         """Count a collective on ``group``, which the pipeline does not manage."""

@@ -38,8 +38,8 @@ def test_backend_names():
 def test_auto_serves_cpu_tensors_with_the_ring():
     from eagertp.backends import BackendChoice
 
-    backend, note = BackendChoice("auto").for_collective(torch.ones(1), group=None)  # no probe on CPU
-    assert backend.name == "ring" and note is None
+    backend, label = BackendChoice("auto").for_collective(torch.ones(1), group=None)  # no probe on CPU
+    assert backend.name == "ring" and label == "ring"
 
 
 def test_group_must_be_a_process_group():

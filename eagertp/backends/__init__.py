@@ -153,18 +153,19 @@ class BackendChoice:
             return None
         return Lazy(_size_rule_reason, nbytes, threshold)  # Note [Formatted when read]
 
-    def for_collective(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str | None]:
-        """The backend for a collective on ``t`` over ``group``, and a note for
-        ``explain()`` when ``auto`` could not use symmetric memory on CUDA."""
+    def for_collective(self, t: torch.Tensor, group: dist.ProcessGroup) -> tuple[Backend, str]:
+        """The backend for a collective on ``t`` over ``group``, and its label
+        for ``explain()``: its name, with why ``auto`` could not use symmetric
+        memory on CUDA."""
         if self.name == "auto":
             if not t.is_cuda and symm_mem.static_reason(t) is not None:
-                return self._instances["ring"], None  # NB: not a candidate; nothing to say (below)
+                return self._instances["ring"], "ring"  # NB: not a candidate; nothing to say (below)
             why_not = symm_mem.unavailable_reason(t, group)
             if why_not is None:
-                return self._instances["symm_mem"], None
+                return self._instances["symm_mem"], "symm_mem"
             # Say why only where symmetric memory was a candidate (not for CPU tensors).
             candidate = t.is_cuda or symm_mem.static_reason(t) is None
-            return self._instances["ring"], (f"symm_mem unavailable: {why_not}" if candidate else None)
+            return self._instances["ring"], (f"ring; symm_mem unavailable: {why_not}" if candidate else "ring")
         if self.name == "symm_mem":
             why_not = symm_mem.unavailable_reason(t, group)
             if why_not is not None:
@@ -172,7 +173,8 @@ class BackendChoice:
                     f"EagerMicroPipeline(backend='symm_mem') cannot serve this collective: {why_not}. "
                     f"Use backend='ring' (any process group) or backend='auto' (symm_mem where it works)."
                 )
-        return self._instances[self.name], None
+        backend = self._instances[self.name]
+        return backend, backend.name
 
 
 def _checked_min_fuse_bytes(value: int | Mapping[str, int] | None) -> int | dict[str, int] | None:

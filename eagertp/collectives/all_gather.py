@@ -67,11 +67,11 @@ def _wait(engine: Engine, func, args, kwargs):
     (t,) = args
     if engine.store.items and engine.store.touched([t]) is not None:
         return t  # a placeholder: its data arrives before anything reads it
-    return func(*args, **kwargs)
+    return func._op(*args, **kwargs)  # NB: the C++ entry point, as the mode calls plain ops
 
 
 @register([_c10d_functional._wrap_tensor_autograd.default])
 def _wrap_async(engine: Engine, func, args, kwargs):
     # funcol wraps every collective's result in an AsyncCollectiveTensor; the
     # wrapper reads nothing and communicates nothing, so a placeholder stays pending.
-    return func(*args, **kwargs)
+    return func._op(*args, **kwargs)

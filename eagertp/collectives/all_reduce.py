@@ -32,7 +32,8 @@ _c10d_functional = torch.ops._c10d_functional
 def _all_reduce(engine: Engine, func, args, kwargs):
     inp, reduce_op, group_name = args
     # NB: funcol's all-reduce names no group size: the group's own is right by definition.
-    group = group_name if isinstance(group_name, dist.ProcessGroup) else c10d._resolve_process_group(group_name)
+    # isinstance(x, ProcessGroup) is a Python __instancecheck__; funcol passes a name.
+    group = c10d._resolve_process_group(group_name) if isinstance(group_name, str) else group_name
     group = engine.managed_group(func, group.size(), group)
     if group is None:
         return engine.run_plain(func, args, kwargs)
@@ -164,7 +165,7 @@ def _start(engine: Engine, plan: ReduceScatterPlan, gather: PendingGather, kind:
         rows, group = gather.out, plan.group
         if engine.verify:
             check_ranks_agree(f"{kind} of {tensor_str(rows)}", group)  # NB: before the backend is chosen
-        backend, gather.backend = engine.choose_backend(gather.shard, group)
+        backend, gather.backend = engine.backend.for_collective(gather.shard, group)
         gather.handle = backend.start_all_reduce(plan.producer(), rows, group, plan.reduce_op)
         if engine.verify:
             for what, got, want, exact in plan.checks():  # this rank's reduced rows

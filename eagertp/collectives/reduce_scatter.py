@@ -109,7 +109,7 @@ def _run_scatter(engine: Engine, plan: ReduceScatterPlan) -> str:
         if engine.verify:
             # NB: before the backend is chosen (see Engine.start_gather).
             check_ranks_agree(plan.signature(), plan.group)
-        backend, label = engine.choose_backend(plan.buffer, plan.group)
+        backend, label = engine.backend.for_collective(plan.buffer, plan.group)
         plan.run(backend)
         if engine.verify:
             for what, got, want, exact in plan.checks():
