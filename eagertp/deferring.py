@@ -230,7 +230,8 @@ class Deferring:
         gather.produced = True
         self.stats["matmul_all_gather"] += 1
         self.trace.mark_fused(gather.record, [product.describe()], gather.backend)
-        self.trace.event("matmul_all_gather(${}) [{}]", product.tid, gather.backend)
+        if self.trace.recording:
+            self.trace.event("matmul_all_gather(${}) [{}]", product.tid, gather.backend)
 
     def gather_reference(self, gather: PendingGather) -> None:
         """Plain eager's gather of ``gather.shard``, for ``verify=True`` to compare

@@ -388,7 +388,10 @@ class Engine(Deferring, Accounting):
         of, the absorbed products nothing can read."""
         # NB: on the hot path (every deferred matmul while work is pending):
         # the store's products listed once, nothing more when there are none.
-        products = [p for p in self.store.items if not isinstance(p, PendingGather)]  # NB: _drop removes
+        products = []
+        for p in self.store.items:  # NB: a list (_drop removes), by a loop: no comprehension's frame
+            if not isinstance(p, PendingGather):
+                products.append(p)
         if not products:
             return
         past = []
@@ -436,7 +439,8 @@ class Engine(Deferring, Accounting):
         ready = [p for p, keys in candidates if keys & orphans]
         if ready:
             reason = Reason("{}: ${} holds inputs nothing else can reach", func, ready[-1].tid)
-            self.trace.event("wait: {}", reason)
+            if self.trace.recording:
+                self.trace.event("wait: {}", reason)
             self.complete(ready, reason)
 
     def product_read(self, t: torch.Tensor) -> int | None:
@@ -448,7 +452,8 @@ class Engine(Deferring, Accounting):
         """Take out an absorbed product that nothing can read any more: a flush
         would skip it, and until then it holds its placeholders and inputs."""
         self.store.remove(product)
-        self.trace.event("skip ${}: nothing can read it", product.tid)
+        if self.trace.recording:  # NB: on the hot path (every fused collective's product, dropped)
+            self.trace.event("skip ${}: nothing can read it", product.tid)
 
     def flush(self, reason: str | Reason) -> None:
         """Complete every pending item, in record order."""
@@ -500,7 +505,8 @@ class Engine(Deferring, Accounting):
                 elif item.absorbed and item.unobserved():
                     # Its fused consumer already produced what it needed
                     # and nothing else can read it: computing it is waste.
-                    self.trace.event("skip ${}: nothing can read it", item.tid)
+                    if self.trace.recording:
+                        self.trace.event("skip ${}: nothing can read it", item.tid)
                 else:
                     self.count_matmul_work()
                     item.issue_standalone()

@@ -58,9 +58,11 @@ def match_gather_operand(
             scale_gather, why_not = _match_scale_gather(store, gather, view, a, scaled.scale_a)
             if why_not is not None:
                 return None, None, None, None, why_not
-    others = [t for t in (a, b, bias, *([] if scaled is None else scaled.tensors())) if t is not None and t is not g]
-    if scale_gather is not None or own_scale:
-        others = [t for t in others if t is not scaled.scale_a]
+    skip = scaled.scale_a if scale_gather is not None or own_scale else g  # NB: taken from its gather
+    others = []
+    for t in (a, b, bias, *scaled.tensors()) if scaled is not None else (a, b, bias):  # NB: a loop: every matmul
+        if t is not None and t is not g and t is not skip:
+            others.append(t)
     if store.touched(others) is not None:
         if gather in store.owners(others):
             return None, None, None, None, "has a second pending operand of the same gather"
