@@ -58,7 +58,7 @@ def match_gather_operand(
             scale_gather, why_not = _match_scale_gather(store, gather, view, a, scaled.scale_a)
             if why_not is not None:
                 return None, None, None, None, why_not
-    skip = scaled.scale_a if scale_gather is not None or own_scale else g  # NB: taken from its gather
+    skip = scaled.scale_a if scale_gather is not None or own_scale else g  # NB: a scale_a read as gathered rows
     others = []
     for t in (a, b, bias, *scaled.tensors()) if scaled is not None else (a, b, bias):  # NB: a loop: every matmul
         if t is not None and t is not g and t is not skip:

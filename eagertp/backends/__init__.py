@@ -158,14 +158,15 @@ class BackendChoice:
         for ``explain()``: its name, with why ``auto`` could not use symmetric
         memory on CUDA."""
         if self.name == "auto":
+            ring = self._instances["ring"]
             if not t.is_cuda and symm_mem.static_reason(t) is not None:
-                return self._instances["ring"], "ring"  # NB: not a candidate; nothing to say (below)
+                return ring, ring.name  # NB: not a candidate; nothing to say (below)
             why_not = symm_mem.unavailable_reason(t, group)
             if why_not is None:
                 return self._instances["symm_mem"], "symm_mem"
             # Say why only where symmetric memory was a candidate (not for CPU tensors).
             candidate = t.is_cuda or symm_mem.static_reason(t) is None
-            return self._instances["ring"], (f"ring; symm_mem unavailable: {why_not}" if candidate else "ring")
+            return ring, (f"{ring.name}; symm_mem unavailable: {why_not}" if candidate else ring.name)
         if self.name == "symm_mem":
             why_not = symm_mem.unavailable_reason(t, group)
             if why_not is not None:
