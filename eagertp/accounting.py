@@ -71,7 +71,7 @@ class Accounting:
             self.stats["fused_scale_gathers"] += 1
         if plan.fused:
             self._count_fused(gather, plan)
-            scale_of = plan.scale_of() if gather.scale_of else None  # NB: a frame fewer where none (most)
+            scale_of = plan.scale_of() if gather.scale_of else None  # NB: most gathers are no scale's
             self.trace.mark_fused(gather.record, plan.fused_with(), gather.backend, scale_of=scale_of)
         elif gather.scale_of:
             self.trace.mark_fused(gather.record, [], gather.backend, scale_of=plan.scale_of())

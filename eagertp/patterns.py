@@ -113,8 +113,9 @@ class AllGatherMatmulPlan:
         return consumers
 
     def scale_of(self) -> list[str]:
-        """The fused matmuls whose row-wise ``scale_a`` this gather is."""
-        return [mm.describe() for mm in self.gather.scale_of] if self.gather.scale_of else []
+        """The fused matmuls whose row-wise ``scale_a`` this gather is (asked
+        only of a gather that is one: ``gather.scale_of``)."""
+        return [mm.describe() for mm in self.gather.scale_of]
 
     def lands_whole(self) -> bool:
         """True if every chunk has landed already (a prefetch that other work
