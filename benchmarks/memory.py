@@ -9,7 +9,10 @@ demo's transformer step (forward + backward), measures the peak of tensor
 memory allocated during the step (the profiler's allocation records; tensors
 that existed before the step are not counted) for unfused eager and eagertp.
 The target: fused peak <= unfused peak + one chunk (the largest per-rank
-chunk of a collective in the step). ``--at-peak`` also lists, for the
+chunk of a collective in the step). ``left in cycles``: the tensor bytes a
+fused run leaves in reference cycles, which only Python's garbage collector
+frees, some steps later (Note [Freed without the garbage collector] in
+eagertp/deferred.py); the target is none. ``--at-peak`` also lists, for the
 transformer step, the allocations live at each peak by the op that made
 them (the program's op, its autograd node, and eagertp's function where it
 made a placeholder): where a fused step's extra bytes are.
@@ -56,6 +59,31 @@ def peak_bytes(fn) -> int:
         current += nbytes
         peak = max(peak, current)
     return peak
+
+
+def cyclic_bytes(fn) -> int:
+    """Bytes of tensor storage that ``fn()`` leaves in reference cycles: what the
+    garbage collector finds unreachable right after it, saved instead of freed."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    debug = gc.get_debug()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        fn()
+        gc.collect()
+        storages = {}
+        for o in gc.garbage:
+            if issubclass(type(o), torch.Tensor):  # NB: type(): isinstance() of a dead weakref proxy raises
+                storage = o.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(debug)
+        gc.collect()  # NB: frees what it saved: clearing gc.garbage leaves the cycles themselves
 
 
 def _allocations(prof) -> list[tuple[int, int, int, str]]:
@@ -184,7 +212,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
         peak = peak_bytes(fused)
         calls = sum(n for key, n in pipe.stats.items() if key in _FUSED_CALLS)
-        results.append({"case": name, "peak_unfused": unfused, "peak_fused": peak, "chunk": chunk, "fused_calls": calls})
+        results.append({"case": name, "peak_unfused": unfused, "peak_fused": peak, "chunk": chunk, "fused_calls": calls,
+                        "cyclic_fused": cyclic_bytes(fused)})
         if args.at_peak and name == "transformer_step":
             # NB: the run with the median peak of three: a run's peak moves with timing.
             results[-1]["at_peak"] = {
@@ -209,6 +238,7 @@ def main(argv=None) -> int:
             "unfused": r["peak_unfused"] / 2**20,
             "fused": r["peak_fused"] / 2**20,
             "chunk_mib": r["chunk"] / 2**20,
+            "cyclic": r["cyclic_fused"] / 2**20,
             "within": "yes" if r["peak_fused"] <= r["peak_unfused"] + r["chunk"] else "NO",
         }
         for r in results
@@ -221,6 +251,7 @@ def main(argv=None) -> int:
                 ("unfused", "unfused", ".2f"),
                 ("fused", "fused", ".2f"),
                 ("chunk_mib", "one chunk", ".2f"),
+                ("cyclic", "left in cycles", ".2f"),
                 ("fused_calls", "fused calls", ""),
                 ("within", "fused <= unfused + chunk", ""),
             ],

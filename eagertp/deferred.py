@@ -943,6 +943,24 @@ def orphaned_storages(items: Iterable[Pending], among: set[int]) -> set[int]:
     return orphans
 
 
+# Note [Freed without the garbage collector]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Pending work links to other pending work both ways in two places: a gather
+# lists the row-wise steps of other gathers that read its rows (``read_by``),
+# whose operands name it (``RowOperand.other``: DTensor's backward adding q's,
+# k's and v's all-reduced input gradients); and a scale gather lists the
+# consumers whose row-wise scale_a it is (``scale_of``), which name it
+# (``PendingMatmul.scale_gather``: float8's row-wise recipe). Each is a
+# reference cycle, and a cycle is freed only when Python's garbage collector
+# next looks at it: with it went the gathers' placeholders, the all-reduce's
+# result and the ring's buffers, activation-sized tensors held past the step
+# (for as long as the collector's older generations wait, once a collection
+# saw them alive). So a gather completed and accounted forgets those links
+# (``unlink``), and everything eagertp makes for a call is freed by reference
+# counting when the program drops it; tests/test_memory_cycles.py checks the
+# steps of the demo's model, float8's, and the fused forms for cyclic garbage.
+
+
 @dataclasses.dataclass(eq=False)
 class PendingGather:
     """``out = all_gather_into_tensor(shard, group)``, in flight: the backend
@@ -996,6 +1014,12 @@ class PendingGather:
         half, a product made in this rank's chunk), not a tensor of the
         program's: nothing can write it before the gather completes."""
         return storage_key(self.shard) == storage_key(self.out)
+
+    def unlink(self) -> None:
+        """Forget the pending work of other gathers that links back to this one,
+        once completed and accounted (Note [Freed without the garbage collector])."""
+        self.read_by = []
+        self.scale_of = []
 
     def consumer_writing(self, t: torch.Tensor) -> PendingMatmul | None:
         """The consumer whose output placeholder ``t`` views, if any."""

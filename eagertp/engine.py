@@ -567,6 +567,7 @@ class Engine(Deferring, Accounting):
                 plan.run(whole=whole, own_chunk_unread=own_chunk_unread)
         except BaseException:
             gather.completed = True
+            gather.unlink()
             self._complete_scales(plan.scales, reason)
             raise
         gather.completed = True
@@ -575,6 +576,7 @@ class Engine(Deferring, Accounting):
         if gather.steps or gather.wholes:
             self.stats["rowwise_ops"] += len(gather.steps) + len(gather.wholes)
         self._account_gather(gather, plan, reason)
+        gather.unlink()  # Note [Freed without the garbage collector] in eagertp.deferred
         if plan.scales:
             self._complete_scales(plan.scales, reason)
         if self.verify:  # NB: after the scales: plain eager's matmuls read them whole
