@@ -31,7 +31,10 @@ rank 0's own thread: not imports, start-up or warm-up, and not gloo's threads
 (which move the bytes). The counts repeat to within about 0.3% run to run
 with the same ``--forms`` and ``--calls``; compare those only: another order
 or number of calls moves them by up to 20% (Python's garbage collector and
-allocator run at other calls).
+allocator run at other calls). The last column says how often the collector
+ran among the counted calls, per mode: a generation-0 run costs about 1.5M
+instructions here, spread over the calls it falls among (benchmarks/NOTES.md,
+2026-12-05 at f4af84c).
 
 With ``--hand``, the three fused forms also run with no mode, twice: the
 collective issued on the process group itself (``direct``:
@@ -60,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import itertools
 import operator
 import os
@@ -238,7 +242,19 @@ def rank_program(args: argparse.Namespace) -> None:
     def count(form: str) -> None:
         run(forms[form], _WARMUP)
         dist.barrier()
-        ENTRY_POINTS[form][1](run, forms[form], args.calls)
+        collected = 0  # the garbage collector's runs among the counted calls
+
+        def on_collect(phase: str, info: dict) -> None:
+            nonlocal collected
+            collected += phase == "start"
+
+        gc.callbacks.append(on_collect)
+        try:
+            ENTRY_POINTS[form][1](run, forms[form], args.calls)
+        finally:
+            gc.callbacks.remove(on_collect)
+        if rank == "0":
+            print(f"gc {form} {collected}")
         if args.frames:  # one more call, rank 0's traced (every rank makes it: its collectives)
             if rank == "0":
                 frames[form] = _frames_of(forms[form])
@@ -330,13 +346,14 @@ def main(argv=None) -> None:
                        *(("--hand", args.hand) if args.hand else ()),
                        "--rank-program", mode, str(rank), port, str(world)]
                 procs[mode, rank] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out)
-        counts, stats = {}, ""
+        counts, collections, stats = {}, {}, ""
         for (mode, rank), (proc, out) in procs.items():
             stdout, stderr = proc.communicate(timeout=3600)
             if proc.returncode != 0:
                 raise SystemExit(f"{mode} rank {rank} failed ({proc.returncode}):\n{stdout}\n{stderr[-4000:]}")
             if rank == 0:
                 counts[mode] = _count(out, args.calls)
+                collections[mode] = dict(re.findall(r"^gc (\w+) (\d+)$", stdout, re.MULTILINE))
                 stats = stats or (stdout.strip() if mode == "eagertp" else "")
                 if mode in HAND_MODES and f"{mode} forms match" not in stdout:
                     raise SystemExit(f"the {mode} forms do not compute the program's results:\n{stdout}")
@@ -347,6 +364,7 @@ def main(argv=None) -> None:
          "eagertp": counts["eagertp"][form], "added": counts["eagertp"][form] - counts["empty"][form],
          "ratio": counts["eagertp"][form] / counts["empty"][form],
          "ratio_desugaring": counts["eagertp"][form] / counts["desugaring"][form],
+         "gc": " / ".join(collections[mode].get(form, "?") for mode in MODES),
          **({"direct": counts["direct"][form], "hand_total": counts["hand"][form],
              "hand": counts["hand"][form] - counts["direct"][form]} if args.hand and form in HAND_FORMS else {})}
         for form in args.forms
@@ -354,7 +372,8 @@ def main(argv=None) -> None:
     print(_harness.table(rows, [("form", "form", "s"), ("empty", "empty mode", ",.0f"),
                                 ("desugaring", "desugaring mode", ",.0f"), ("eagertp", "eagertp", ",.0f"),
                                 ("added", "eagertp's own", ",.0f"), ("ratio", "/ empty", ".2f"),
-                                ("ratio_desugaring", "/ desugaring", ".2f")]))
+                                ("ratio_desugaring", "/ desugaring", ".2f"),
+                                ("gc", "collector runs (empty / desugaring / eagertp)", "s")]))
     hand_rows = [r for r in rows if "hand" in r]
     if hand_rows:
         print(f"\nwith no mode (--hand {args.hand}): the collective on the process group itself, the schedule "

@@ -149,6 +149,9 @@ def test_call_instructions_runs_the_fused_paths_and_reads_callgrind():
     with_sp, without_sp = ast.literal_eval(steps["train_step"]), ast.literal_eval(steps["train_step_no_sp"])
     assert with_sp["all_gather_matmul"] == with_sp["matmul_reduce_scatter"] == 8, with_sp  # 2 blocks x 4 each
     assert without_sp["matmul_all_reduce"] == 12, without_sp  # 2 blocks x 6
+    # How often the garbage collector ran among each form's counted calls, said for every form.
+    collected = dict(re.findall(r"^gc (\w+) (\d+)$", outs[0][0], re.MULTILINE))
+    assert set(collected) == set(call_instructions.ENTRY_POINTS), outs
     annotated = (
         "  198,059,203 (30.94%)  /tmp/Python-3.11.7/./Modules/itertoolsmodule.c:starmap_next [/lib/libpython3.11.so]\n"
         "  147,601,705 (23.05%)  /tmp/Python-3.11.7/./Modules/_operator.c:_operator_call [/lib/libpython3.11.so]\n"
