@@ -32,9 +32,10 @@ rank 0's own thread: not imports, start-up or warm-up, and not gloo's threads
 with the same ``--forms`` and ``--calls``; compare those only: another order
 or number of calls moves them by up to 20% (Python's garbage collector and
 allocator run at other calls). The last column says how often the collector
-ran among the counted calls, per mode: a generation-0 run costs about 1.5M
-instructions here, spread over the calls it falls among (benchmarks/NOTES.md,
-2026-12-05 at f4af84c).
+ran among the counted calls, per mode: a run of its youngest generation costs
+little, but one of an older generation can be a large part of a form's count
+(1.6M instructions of the deferred matmul's 30 calls in one run:
+benchmarks/NOTES.md, 2026-12-05 at f4af84c).
 
 With ``--hand``, the three fused forms also run with no mode, twice: the
 collective issued on the process group itself (``direct``:
