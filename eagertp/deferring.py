@@ -264,7 +264,7 @@ class Deferring:
         """A matmul run at once (not deferred): counted as work that overlaps
         the gathers in flight."""
         self.count_matmul_work()
-        return func(*args, **kwargs)
+        return func._op(*args, **kwargs)  # NB: OpOverload.__call__ is a Python frame
 
     def _run_at_once(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, ordinal: int, known: tuple) -> Any:
         """Run a matmul the block before read whole at once (Note [Deferrals that
