@@ -26,6 +26,30 @@ def integer_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randint(-3, 4, shape, generator=g, device="cpu").to(torch.get_default_device(), dtype)
 
 
+def left_in_cycles(fn, *, tensors: bool = True):
+    """``fn()``'s result, and the objects of eagertp's (and, with ``tensors``,
+    the tensors) it left in reference cycles, by type name: what Python's
+    garbage collector finds unreachable right after it, saved instead of freed
+    (Note [Freed without the garbage collector] in eagertp/deferred.py)."""
+    import gc
+
+    gc.collect()
+    debug = gc.get_debug()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        result = fn()
+        gc.collect()
+        left = collections.Counter(
+            type(o).__qualname__ for o in gc.garbage  # NB: type(): isinstance() of a dead weakref proxy raises
+            if type(o).__module__.startswith("eagertp") or (tensors and issubclass(type(o), torch.Tensor))
+        )
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(debug)
+        gc.collect()  # NB: frees what it saved: clearing gc.garbage leaves the cycles themselves
+    return result, dict(left)
+
+
 def fp8_tensor(shape, seed: int) -> torch.Tensor:
     """Integer values in FP8 (exact: |v| <= 448 and few bits)."""
     return integer_tensor(shape, torch.float32, seed=seed).to(FP8)

@@ -3,18 +3,18 @@ eagertp's and no tensor is left in a reference cycle, which only Python's
 garbage collector would free, some time later (Note [Freed without the
 garbage collector] in eagertp/deferred.py). Each program runs once to warm
 up, then again with the collector saving what it finds instead of freeing
-it; whatever of ours it found is a cycle."""
+it; whatever of ours it found is a cycle (``helpers.left_in_cycles``).
+HuggingFace's Llama without sequence parallel is checked in
+tests/test_hf.py."""
 
 from __future__ import annotations
 
 import argparse
-import collections
-import gc
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FP8, NEEDS_ROWWISE_SCALED_MM, all_gather, col_major, integer_tensor
+from helpers import FP8, NEEDS_ROWWISE_SCALED_MM, all_gather, col_major, integer_tensor, left_in_cycles
 
 from eagertp import EagerMicroPipeline
 
@@ -92,25 +92,11 @@ _PROGRAMS = {
 }
 
 
-def _ours(o) -> bool:
-    return isinstance(o, torch.Tensor) or type(o).__module__.startswith("eagertp")
-
-
 def _cycles_worker(rank, group, program):
     step = _PROGRAMS[program](rank, group)
     step()  # first uses: caches, the run-at-once memory (Note [Deferrals that gained nothing])
-    gc.collect()
-    debug = gc.get_debug()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        stats = dict(step().stats)
-        gc.collect()
-        left = collections.Counter(type(o).__qualname__ for o in gc.garbage if _ours(o))
-    finally:
-        gc.garbage.clear()
-        gc.set_debug(debug)
-        gc.collect()  # NB: frees what it saved: clearing gc.garbage leaves the cycles themselves
-    return {"left": dict(left), "stats": stats}
+    pipe, left = left_in_cycles(step)
+    return {"left": left, "stats": dict(pipe.stats)}
 
 
 @pytest.mark.parametrize(
