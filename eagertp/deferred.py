@@ -957,8 +957,9 @@ def orphaned_storages(items: Iterable[Pending], among: set[int]) -> set[int]:
 # (for as long as the collector's older generations wait, once a collection
 # saw them alive). So a gather completed and accounted forgets those links
 # (``unlink``), and everything eagertp makes for a call is freed by reference
-# counting when the program drops it; tests/test_memory_cycles.py checks the
-# steps of the demo's model, float8's, and the fused forms for cyclic garbage.
+# counting when the program drops it. tests/test_memory_cycles.py checks the
+# demo's steps, gathered row-wise scales and the fused forms for cyclic
+# garbage, tests/test_hf.py HuggingFace's Llama without sequence parallel.
 
 
 @dataclasses.dataclass(eq=False)
