@@ -959,7 +959,8 @@ def orphaned_storages(items: Iterable[Pending], among: set[int]) -> set[int]:
 # (``unlink``), and everything eagertp makes for a call is freed by reference
 # counting when the program drops it. tests/test_memory_cycles.py checks the
 # demo's steps, gathered row-wise scales and the fused forms for cyclic
-# garbage, tests/test_hf.py HuggingFace's Llama without sequence parallel.
+# garbage, tests/test_hf.py HuggingFace's Llama without sequence parallel,
+# tests/test_fuzz.py every program it draws.
 
 
 @dataclasses.dataclass(eq=False)

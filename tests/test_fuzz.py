@@ -161,12 +161,18 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pie
     pipe = EagerMicroPipeline(poison=True, min_fuse_bytes=min_fuse_bytes)
 
     def in_order(*_):
+        from helpers import left_in_cycles
+
         runs = []
         for i in order:
-            with precision, pipe:
-                got = execute(pipe, programs[i])
+
+            def run(i=i):
+                with precision, pipe:
+                    return execute(pipe, programs[i])
+
+            got, left = left_in_cycles(run)  # Note [Freed without the garbage collector]
             equal = all(torch.equal(g, e) for g, e in zip(got, expected[i], strict=True))
-            runs.append((equal, dict(pipe.stats), pipe.explain()))
+            runs.append((equal, dict(pipe.stats), pipe.explain(), left))
         return runs
 
     if small_pieces:
@@ -175,7 +181,8 @@ def _run_program(rank, group, steps, autocast=False, min_fuse_bytes=0, small_pie
         runs = with_small_pieces(rank, group, in_order)
     else:
         runs = in_order()
-    return {"equal": [r[0] for r in runs], "stats": [r[1] for r in runs], "explain": [r[2] for r in runs]}
+    return {"equal": [r[0] for r in runs], "stats": [r[1] for r in runs], "explain": [r[2] for r in runs],
+            "left_in_cycles": [r[3] for r in runs]}
 
 
 # Per-rank buffers are 192 bytes (float32) or 96 (bf16): the size rule fuses
@@ -198,7 +205,9 @@ def test_random_programs_match_plain_eager(pool, backend, steps, autocast, min_f
     half run on a batch of one, whose shards split past it (``piece_dim``).
     Each program runs twice in one pipeline, as a training loop's step: the
     second run, which runs at once what the first read whole (Note [Deferrals
-    that gained nothing]), must fuse as the first did."""
+    that gained nothing]), must fuse as the first did. Neither may leave
+    anything of eagertp's or any tensor in a reference cycle (Note [Freed
+    without the garbage collector])."""
     args = (steps, autocast, min_fuse_bytes, small_pieces, batch)
     for rank, r in enumerate(run_on(backend, pool, _run_program, world, *args, timeout=30)):
         assert all(r["equal"]), (
@@ -209,6 +218,7 @@ def test_random_programs_match_plain_eager(pool, backend, steps, autocast, min_f
         first, second = r["stats"]
         second.pop("matmuls_run_at_once", None)
         assert first == second, f"the second run fused otherwise for {steps} on {backend}: {r['stats']}\n{r['explain']}"
+        assert not any(r["left_in_cycles"]), f"left in reference cycles by {steps} on {backend}: {r['left_in_cycles']}"
         if backend == "symm_mem":
             assert not any("[ring" in text for text in r["explain"]), "symm_mem served every fused collective"
 
@@ -222,6 +232,7 @@ def test_two_programs_alternating_in_one_pipeline_match_plain_eager(pool, first,
     args = ((first, second), False, 0, small_pieces, 2, (0, 1, 0, 1, 1, 0))
     for rank, r in enumerate(pool.run(_run_program, world, *args, timeout=30)):
         assert all(r["equal"]), f"rank {rank} of {world}: {r['equal']} for {first} / {second}:\n" + "\n".join(r["explain"])
+        assert not any(r["left_in_cycles"]), f"left in reference cycles by {first} / {second}: {r['left_in_cycles']}"
 
 
 # -- DTensor stacks --------------------------------------------------------------
