@@ -452,6 +452,10 @@ class _Standalone:
         for sv in self.scatter_views:
             sv.fill(self.out)
 
+    def compute_row_range(self, start: int, stop: int, out: torch.Tensor) -> None:
+        """``out = self[start:stop]``: a range of this product's rows."""
+        self.compute_rows(lambda t: t[start:stop], out)
+
     def unobserved(self) -> bool:
         """True if nothing but this pending item can reach its placeholders.
         Then computing it would be work that nobody can observe."""
@@ -618,6 +622,16 @@ class PendingMatmul(_Standalone):
         assert self.a is not None and self.b is not None, "a gather consumer has no rows of its own"
         self.compute(select(self.a), self.b, out, select)
 
+    def compute_row_range(self, start: int, stop: int, out: torch.Tensor) -> None:
+        """``out = self[start:stop]``: ``compute_rows`` of a range of rows, with
+        no selector (NB: every piece of a fused reduce-scatter along dim 0)."""
+        assert self.a is not None and self.b is not None, "a gather consumer has no rows of its own"
+        a = self.a[start:stop]
+        if self.bias is None and self.scaled is None and not self.epilogues:
+            torch.mm(a, self.b, out=out)  # NB: compute()'s plain case, one frame shorter
+        else:
+            self.compute(a, self.b, out, lambda t: t[start:stop])
+
     def compute_cols(self, cols: slice, out: torch.Tensor, select: RowSelect = all_rows) -> None:
         """``out = select(self)[:, cols]``: some output columns (B's columns, and
         the bias's and a row-wise ``scale_b``'s with them) of the rows ``select``
@@ -647,7 +661,10 @@ class PendingMatmul(_Standalone):
     def issue_standalone(self) -> None:
         # NB: _Standalone's, one frame shorter: every read of a deferred matmul.
         assert self.a is not None and self.b is not None, "a gather consumer is issued by its gather"
-        self.compute(self.a, self.b, self.out)
+        if self.bias is None and self.scaled is None and not self.epilogues:
+            torch.mm(self.a, self.b, out=self.out)  # NB: compute()'s, one frame shorter: most reads
+        else:
+            self.compute(self.a, self.b, self.out)
         for sv in self.scatter_views:
             sv.fill(self.out)
 
@@ -1134,7 +1151,10 @@ class PendingStore:
         owner[storage_key(product.out)] = product
         for sv in product.scatter_views:
             owner[storage_key(sv.tensor)] = product
-        self._read(product.inputs())
+        inputs = self._inputs
+        for t in product.inputs():  # NB: _read()'s, one frame shorter
+            key = storage_key(t)
+            inputs[key] = inputs.get(key, 0) + 1
 
     def add_epilogue(self, product: PendingMatmul, epilogue: Epilogue) -> None:
         """An in-place op on ``product``'s output, kept with it (Note [Epilogues])."""
@@ -1183,11 +1203,20 @@ class PendingStore:
                 del owner[storage_key(t)]
             if not item.shard_in_out():
                 self.stop_sending(item)
-        else:  # NB: the hot path: every product read, or taken by its collective
-            del owner[storage_key(item.out)]
-            for sv in item.scatter_views:
-                del owner[storage_key(sv.tensor)]
-        self._release(item.inputs())
+            self._release(item.inputs())
+            return
+        # NB: the hot path: every product read, or taken by its collective.
+        del owner[storage_key(item.out)]
+        for sv in item.scatter_views:
+            del owner[storage_key(sv.tensor)]
+        inputs = self._inputs
+        for t in item.inputs():  # NB: _release()'s, one frame shorter
+            key = storage_key(t)
+            n = inputs[key] - 1
+            if n:
+                inputs[key] = n
+            else:
+                del inputs[key]
 
     def _read(self, tensors: Iterable[torch.Tensor]) -> None:
         """Pending work reads ``tensors`` (once more each)."""

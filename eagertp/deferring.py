@@ -248,15 +248,16 @@ class Deferring:
 
     # -- matmuls -----------------------------------------------------------
 
-    def never_fused(self, rows: int, cols: int, device_type: str) -> bool:
-        """True if a product of ``rows x cols`` is too small for any reduce-
-        scatter or all-reduce of it to fuse: run at once, not deferred, while
-        nothing is pending (Note [Deferral boundary])."""
-        nbytes = self._deferral_bytes.get(device_type)
+    def never_fused(self, rows: int, cols: int, device: torch.device) -> bool:
+        """True if a product of ``rows x cols`` on ``device`` is too small for
+        any reduce-scatter or all-reduce of it to fuse: run at once, not
+        deferred, while nothing is pending (Note [Deferral boundary])."""
+        # NB: by device, not its type: ``.device.type`` costs as much as this call.
+        nbytes = self._deferral_bytes.get(device)
         if nbytes is None:  # the smallest matmul output (bytes) a fused collective could take
-            nbytes = self._deferral_bytes[device_type] = min(
-                self.backend.min_bytes(device_type, "reduce_scatter"),
-                self.backend.min_bytes(device_type, "all_reduce"),
+            nbytes = self._deferral_bytes[device] = min(
+                self.backend.min_bytes(device.type, "reduce_scatter"),
+                self.backend.min_bytes(device.type, "all_reduce"),
             )
         return rows * cols * _WIDEST_CAST < nbytes
 
@@ -315,7 +316,7 @@ class Deferring:
         self.matmul_ordinal = ordinal + 1
         if not self.store.items and a.dim() == 2 and b.dim() == 2:
             # NB: the hot path of small matmuls.
-            if self.never_fused(a.shape[0], b.shape[1], a.device.type):
+            if self.never_fused(a.shape[0], b.shape[1], a.device):
                 return self.run_matmul(func, args, kwargs)
         out_dtype, rejected = matmul_out_dtype(a, b, bias, scaled)
         if out_dtype is None:
@@ -342,21 +343,28 @@ class Deferring:
                 self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
             elif gather is None:
                 self.complete_for(func, args, kwargs)
-        mm = PendingMatmul(
-            func,
-            None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,
-            None if operand is Operand.B_ROWS else b,
-            self.placeholder(a, (a.shape[0], b.shape[1]), out_dtype),
-            self.store.next_tid(),
-            bias,
-            beta=kwargs.get("beta", 1),
-            alpha=kwargs.get("alpha", 1),
-            operand=operand,
-            view=view,
-            scaled=scaled,
-            gathered_dtype=None if view is None or operand is Operand.B_ROWS else a.dtype,
-            scale_gather=scale_gather,
-        )
+        if self.poison or out_dtype is not a.dtype:
+            out = self.placeholder(a, (a.shape[0], b.shape[1]), out_dtype)
+        else:  # NB: placeholder()'s, one frame shorter: every deferred matmul
+            out = a.new_empty((a.shape[0], b.shape[1]))
+        if gather is None and scaled is None:  # NB: the hot path: a standalone matmul, fewer arguments to parse
+            mm = PendingMatmul(func, a, b, out, self.store.next_tid(), bias)
+        else:
+            mm = PendingMatmul(
+                func,
+                None if operand in (Operand.ROWS, Operand.ROWS_T, Operand.COLS) else a,
+                None if operand is Operand.B_ROWS else b,
+                out,
+                self.store.next_tid(),
+                bias,
+                operand=operand,
+                view=view,
+                scaled=scaled,
+                gathered_dtype=None if view is None or operand is Operand.B_ROWS else a.dtype,
+                scale_gather=scale_gather,
+            )
+        if kwargs:  # addmm's
+            mm.beta, mm.alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
         if gather is None:
             if ordinal < _MAX_REMEMBERED:
                 mm.ordinal, mm.issued_at = ordinal, self.trace.issued

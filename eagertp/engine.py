@@ -94,9 +94,9 @@ class Engine(Deferring, Accounting):
         self.issuing = False
         # Matmuls run or computed so far (Note [Overlap accounting]).
         self.matmul_work = 0
-        # device type -> the smallest matmul output (bytes) a fused collective
+        # device -> the smallest matmul output (bytes) a fused collective
         # could take; read per block (MIN_FUSE_BYTES may change between blocks).
-        self._deferral_bytes: dict[str, int] = {}
+        self._deferral_bytes: dict[torch.device, int] = {}
         # The latest trace id recorded before the latest collective on a managed
         # group: products up to it are past their collective (Note [Products past their collective]).
         self.before_collective = -1
@@ -195,7 +195,10 @@ class Engine(Deferring, Accounting):
                     if why is None and result is not None:
                         return result
                     first = None  # NB: asked again: the attempt may have completed work
-                self._complete_for(func, args, kwargs, facts, tensors, why, first)
+                if first is not None and not facts.written:  # NB: _complete_for's read, one frame shorter
+                    self.complete_owners(tensors, func, first=first)
+                else:
+                    self._complete_for(func, args, kwargs, facts, tensors, why, first)
             elif facts.written:  # NB: else it neither reads nor writes pending work (most ops)
                 written = written_tensors(func, args, kwargs)
                 if written:  # NB: it reads none, and completing work makes nothing pending
@@ -366,20 +369,25 @@ class Engine(Deferring, Accounting):
         those; ``why`` says how ``func`` reads them (default: "read $id" of
         the first pending one, ``first`` if the caller knows it)."""
         owners = self.store.owners(tensors)
-        if owners:
+        if not owners:
+            return
+        if why is None and len(owners) == 1 and not isinstance(owners[0], PendingGather):
+            # NB: the hot path, a read of one pending product (its placeholders
+            # have its id), whose completion reads no reason.
+            if self.trace.recording:
+                self.trace.event("wait: {}", Reason("{} read ${}", func, owners[0].tid))
+            self._complete_products(owners)
+        else:
             if why is None:
-                if len(owners) == 1 and not isinstance(owners[0], PendingGather):
-                    tid = owners[0].tid  # NB: a product's placeholders have its id: the read of one, no lookup
-                else:
-                    tid = self.store.tid_of(self.store.touched(tensors) if first is None else first)
+                tid = self.store.tid_of(self.store.touched(tensors) if first is None else first)
                 reason = Reason("{} read ${}", func, tid)
             else:
                 reason = Reason("{} {}", func, why)
             if self.trace.recording:
                 self.trace.event("wait: {}", reason)
             self.complete(owners, reason)
-            if self.store.items:
-                self.complete_orphaned_weight_gradients(func)
+        if self.store.items:
+            self.complete_orphaned_weight_gradients(func)
 
     def complete_work_past(self, func: Any, mark: int) -> None:
         """Everything Note [Products past their collective] computes or drops
@@ -474,16 +482,23 @@ class Engine(Deferring, Accounting):
                     failure = self._complete_items(ordered, items, reason)
                 break
         else:
-            # NB: the hot path, a read of products: nothing to order, and nothing
-            # communicates (no watch of unseen communication, Note [Collectives
-            # the mode did not see]): only placeholders filled below autograd,
-            # as issuing_work() fills them.
-            was_issuing, self.issuing = self.issuing, True
-            try:
-                with torch._C._AutoDispatchBelowADInplaceOrView():
-                    failure = self._complete_items(items, items, reason)
-            finally:
-                self.issuing = was_issuing
+            self._complete_products(items)
+            return
+        if failure is not None:
+            raise failure
+
+    def _complete_products(self, items: list[Product]) -> None:
+        """``complete`` of products alone, the hot path (a read of products):
+        nothing to order, and nothing communicates (no watch of unseen
+        communication, Note [Collectives the mode did not see]): only
+        placeholders filled below autograd, as issuing_work() fills them. A
+        product's completion reads no reason (a gather's records it)."""
+        was_issuing, self.issuing = self.issuing, True
+        try:
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                failure = self._complete_items(items, items, "")
+        finally:
+            self.issuing = was_issuing
         if failure is not None:
             raise failure
 
@@ -508,7 +523,10 @@ class Engine(Deferring, Accounting):
                     if self.trace.recording:
                         self.trace.event("skip ${}: nothing can read it", item.tid)
                 else:
-                    self.count_matmul_work()
+                    if self.store.items:
+                        self.count_matmul_work()
+                    else:  # NB: no gather in flight to watch: count_matmul_work's count, one frame shorter
+                        self.matmul_work += 1
                     item.issue_standalone()
                     if (
                         type(item) is PendingMatmul and item.ordinal >= 0 and item.issued_at == self.trace.issued

@@ -45,7 +45,7 @@ def _whole_matmul(engine: Engine, func, args, kwargs):
         if a.dim() < 2 or b.dim() != 2:  # a matrix-vector or batched product: never deferred
             return func._op(*args, **kwargs)
         cols = b.shape[0] if func is aten.linear.default else b.shape[1]  # weight [N, K]; b [K, N]
-        if engine.never_fused(a.numel() // max(a.shape[-1], 1), cols, a.device.type):
+        if engine.never_fused(a.numel() // max(a.shape[-1], 1), cols, a.device):
             return func._op(*args, **kwargs)
     return engine.decompose(func, args, kwargs)
 
@@ -59,7 +59,7 @@ def _einsum(engine: Engine, func, args, kwargs):
     if not engine.store.items:
         equation, operands = args[0], args[1]
         out = _einsum_out_numel(equation, operands)
-        if out is not None and operands and engine.never_fused(out, 1, operands[0].device.type):
+        if out is not None and operands and engine.never_fused(out, 1, operands[0].device):
             return func._op(*args, **kwargs)
     return engine.decompose(func, args, kwargs)
 

@@ -182,6 +182,9 @@ class AllGatherMatmulPlan:
         if not steps:
             return None
 
+        kind = OrderedConsumer if accumulates else RowsConsumer
+        if len(steps) == 1 and not self.scales:  # NB: the step itself, one frame shorter per piece: most gathers
+            return kind(steps[0])
         # NB: no comprehension's frame where there are no scales (most gathers).
         scale_handles, scales_landed = [s.handle for s in self.scales] if self.scales else [], set()
 
@@ -193,7 +196,7 @@ class AllGatherMatmulPlan:
             for step in steps:
                 step(piece, src, rows)
 
-        return OrderedConsumer(consume) if accumulates else RowsConsumer(consume)
+        return kind(consume)
 
     def _scale_rows(self, mm: PendingMatmul) -> ScaleRows | None:
         """Where ``mm``'s consumer reads its ``scale_a`` rows, if from a scale
@@ -329,6 +332,21 @@ class ReduceScatterPlan:
         runs = 1  # runs of contiguous operand rows that make one chunk
         if sv is None:
             m = self.out.numel() // n  # rows per chunk
+            flat = chunk_rows(self.out)
+            per_row, odd = divmod(flat.shape[1], n)  # product rows per row of flat
+            if not odd:
+                # NB: the hot path (a reduce-scatter along dim 0): each piece is
+                # a range of the product's rows, computed with no selector's frames.
+                total = flat.shape[0]
+
+                def produce(c: int, buf: torch.Tensor, rows: slice) -> None:
+                    start, stop, _ = rows.indices(total)
+                    product.compute_row_range(
+                        c * m + start * per_row, c * m + stop * per_row,
+                        buf if buf.dim() == 2 and buf.shape[1] == n else buf.view(-1, n),
+                    )
+
+                return produce
 
             def select_for(c: int) -> RowSelect:
                 return lambda t: t[c * m : (c + 1) * m]
@@ -549,11 +567,21 @@ def _rows_part(mm: PendingMatmul, view: GatheredView, scale_rows: ScaleRows | No
     lead = view.tensor.shape[:-1]
 
     def rows_part(piece: torch.Tensor, src: int, rows: slice) -> None:
-        piece = view.data(piece, src, rows)
-        g = piece.view(mm.gathered_dtype or piece.dtype).reshape(-1, c)
+        # NB: the hot path (every piece of every fused gather): no view op that
+        # changes nothing (each is a dispatched op, about 0.5 us), no frame for
+        # the plain matmul.
+        if view.cast or view.derived:  # view.data()'s, one frame shorter
+            piece = view.piece_of(src, rows)
+        g = piece if mm.gathered_dtype is None or mm.gathered_dtype is piece.dtype else piece.view(mm.gathered_dtype)
+        if g.dim() != 2 or g.shape[1] != c:
+            g = g.reshape(-1, c)
         scale_a = None if scale_rows is None else scale_rows(src, rows)
         if view.dim == 0:  # rows R are contiguous in mm.out
-            mm.compute(g, mm.b, view.rows_of(mm.out, src, rows), lambda t: view.rows_of(t, src, rows), scale_a=scale_a)
+            out = view.rows_of(mm.out, src, rows)
+            if scale_a is None and mm.bias is None and mm.scaled is None and not mm.epilogues:
+                torch.mm(g, mm.b, out=out)  # NB: mm.compute()'s plain case
+            else:
+                mm.compute(g, mm.b, out, lambda t: view.rows_of(t, src, rows), scale_a=scale_a)
         elif scale_a is None:
             # Rows R are runs of contiguous rows in mm.out (and in g): one
             # matmul per run, written in place.
