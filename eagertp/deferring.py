@@ -303,15 +303,18 @@ class Deferring:
         func: torch._ops.OpOverload,
         args: tuple,
         kwargs: dict,
-        a: torch.Tensor,
-        b: torch.Tensor,
+        a: torch.Tensor | None = None,
+        b: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
         scaled: Scaled | None = None,
     ) -> torch.Tensor:
         """Defer a matmul: as a consumer of the gather in flight it reads, or
         standalone (a reduce-scatter may follow: Note [Deferral boundary]),
         or run it at once where the block before read it whole (Note
-        [Deferrals that gained nothing])."""
+        [Deferrals that gained nothing]). ``a @ b``: ``args`` if not given
+        (``mm``'s handler, eagertp.matmuls)."""
+        if a is None:
+            a, b = args
         ordinal = self.matmul_ordinal
         self.matmul_ordinal = ordinal + 1
         if not self.store.items and a.dim() == 2 and b.dim() == 2:

@@ -266,7 +266,7 @@ def test_the_handler_table_refuses_a_second_handler_and_finds_the_ops_the_dispat
     mm = torch.ops.aten.mm.default
     with pytest.raises(RuntimeError) as e:
         register([mm])(lambda engine, func, args, kwargs: None)
-    assert_expected_inline(str(e.value), """eagertp: aten.mm.default already handled by _mm; cannot also register <lambda>""")
+    assert_expected_inline(str(e.value), """eagertp: aten.mm.default already handled by defer_matmul; cannot also register <lambda>""")
 
     # The table is keyed by each OpOverload's C++ entry point (the NB in eagertp.table):
     # the op a mode receives must be the one torch.ops holds, or every lookup would miss.
