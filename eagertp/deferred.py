@@ -612,7 +612,7 @@ class PendingMatmul(_Standalone):
         elif self.bias is None:
             torch.mm(a, b, out=out)
         else:
-            bias = self.bias if select is None else select(self.bias.expand(self.out.shape))
+            bias = self.bias if select is None else select(self.bias.expand(*self.out.shape))
             torch.addmm(bias, a, b, beta=self.beta, alpha=self.alpha, out=out)
         for epilogue in self.epilogues:
             epilogue.apply(out, self.out.shape, select)
@@ -649,7 +649,7 @@ class PendingMatmul(_Standalone):
         elif self.bias is None:
             torch.mm(a, b, out=out)
         else:
-            bias = select(self.bias.expand(self.out.shape))[:, cols]
+            bias = select(self.bias.expand(*self.out.shape))[:, cols]
             torch.addmm(bias, a, b, beta=self.beta, alpha=self.alpha, out=out)
         for epilogue in self.epilogues:
             epilogue.apply(out, self.out.shape, select, cols)

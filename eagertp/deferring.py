@@ -98,7 +98,13 @@ class Deferring:
         let an unfilled one escape shows up in the results."""
         # NB: no dtype argument where it is like's: one fewer to parse, about 10% of
         # the call (benchmarks/NOTES.md, "2026-12-04 at 83dc4f9"; one per deferred op).
-        out = like.new_empty(shape) if dtype is None or dtype is like.dtype else like.new_empty(shape, dtype=dtype)
+        # The sizes as separate arguments: torch's parser first tries a sequence
+        # of them as one int, raising (and catching) a TypeError, a third of the
+        # call (benchmarks/NOTES.md, "2026-12-05: a placeholder's sizes").
+        if not shape:
+            out = like.new_empty(()) if dtype is None or dtype is like.dtype else like.new_empty((), dtype=dtype)
+        else:
+            out = like.new_empty(*shape) if dtype is None or dtype is like.dtype else like.new_empty(*shape, dtype=dtype)
         if self.poison:
             out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
         return out
@@ -349,7 +355,7 @@ class Deferring:
         if self.poison or out_dtype is not a.dtype:
             out = self.placeholder(a, (a.shape[0], b.shape[1]), out_dtype)
         else:  # NB: placeholder()'s, one frame shorter: every deferred matmul
-            out = a.new_empty((a.shape[0], b.shape[1]))
+            out = a.new_empty(a.shape[0], b.shape[1])
         if gather is None and scaled is None:  # NB: the hot path: a standalone matmul, fewer arguments to parse
             mm = PendingMatmul(func, a, b, out, self.store.next_tid(), bias)
         else:

@@ -642,7 +642,7 @@ def _accumulate_part(mm: PendingMatmul, view: GatheredView) -> ChunkConsumer:
                 if mm.bias is None:
                     acc.zero_()
                 else:
-                    acc.copy_(mm.bias.expand(out.shape))
+                    acc.copy_(mm.bias.expand(*out.shape))
                     if mm.beta != 1:
                         acc.mul_(mm.beta)
             target.addmm_(x, y, alpha=mm.alpha)

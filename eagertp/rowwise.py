@@ -760,7 +760,7 @@ def defer(
         if target:
             return None, "it writes a tensor that is not rows of the gather in place"
         if leading_ones(t):
-            operands.append(RowOperand(Kind.WHOLE, _snapshot(t.reshape(t.shape[-1:]) if t.dim() else t)))
+            operands.append(RowOperand(Kind.WHOLE, _snapshot(t.reshape(t.shape[-1]) if t.dim() else t)))
         elif t.shape[:-1] == program_lead:
             operands.append(RowOperand(Kind.ROWS, t.reshape(*lead, t.shape[-1])))
         else:

@@ -410,7 +410,7 @@ class SymmMemBackend:
         check_scatter_buffers(out, reduce_op)
         world = group.size()
         # stacked[i]: rank i's contribution to this rank's chunk
-        stacked = out.new_empty((world, *out.shape))
+        stacked = out.new_empty(world, *out.shape)  # NB: sizes apart: see Deferring.placeholder
         with _torch_errors(f"reduce_scatter({reduce_op}) to {tensor_str(out)} on {group_str(group)}"), _on(out.device):
             current = torch.cuda.current_stream(out.device)
             # NB: torch's primitive writes the workspace from the current stream (and
