@@ -519,7 +519,7 @@ def why_not_windowed(operands: list[RowOperand]) -> str | None:
     if len(operands) != 1 or operands[0].kind is not Kind.ROWS or operands[0].view is None or operands[0].width:
         return "it is not exact per element, and runs on aligned windows of a row-wise result only"
     t = operands[0].tensor
-    if t.device.type == "cpu" and t.numel() >= GRAIN_SIZE and torch.get_num_threads() > 1:
+    if t.is_cpu and t.numel() >= GRAIN_SIZE and torch.get_num_threads() > 1:
         return f"it is not exact per element, and its {t.numel()} elements split over threads"
     return None
 
@@ -667,7 +667,7 @@ def _key(values: Iterable[Any]) -> tuple:
         if isinstance(a, torch.Tensor):
             # NB: a 0-dim CPU tensor beside others (a wrapped Python number) promotes
             # by its value's kind only: the dtype and device say all the kernel reads.
-            key.append((tuple(a.shape), a.stride(), a.dtype, a.device.type))
+            key.append((a.shape, a.stride(), a.dtype, a.device))  # NB: the device, not its type: .type makes a string
         elif isinstance(a, (list, tuple)):
             key.append(_key(a))
         else:

@@ -111,12 +111,12 @@ class RingBackend:
         self, shard: torch.Tensor, ag_out: torch.Tensor, group: dist.ProcessGroup
     ) -> _P2PGather | _ThreadedRing:
         check_gather_buffers(shard, ag_out, group)
-        if group.size() > 2 and shard.device.type == "cpu" and shard.numel():
+        if group.size() > 2 and shard.is_cpu and shard.numel():
             return _ThreadedRing(shard, ag_out, group, _next_tag(group))
         return _P2PGather(shard, ag_out, group)
 
     def why_not_produce_all_gather(self, shard: torch.Tensor, group: dist.ProcessGroup) -> str | None:
-        if shard.device.type != "cpu":
+        if not shard.is_cpu:
             return "the ring makes a shard piece by piece on gloo only (NCCL posts a gather as one batch)"
         if group.size() == 1:
             return "a group of one rank sends nothing"
@@ -229,7 +229,7 @@ class _P2PGather:
         self._what = Reason("all_gather of {}", Meta.of(shard))
         transport = transport_of(group, ag_out.device, self._what)
         self._chunks = chunks = ag_out.view(world, *shard.shape)  # chunks[i]: rank i's shard
-        layout = _gather_layout(shard, world, rank, ag_out.device.type == "cpu")
+        layout = _gather_layout(shard, world, rank, ag_out.is_cpu)
         rows, wire, messages, sources = layout.rows, layout.wire, layout.messages, layout.sources
         # (_isend or _irecv, tensor, peer): every receive, then every send (Note
         # [Receives first]); each send from the shard itself (Note [Sends from
@@ -246,7 +246,7 @@ class _P2PGather:
             if producer is None:
                 works = _post(ops, group, transport)
             else:  # 2 ranks on gloo: the receives, then each message sent as soon as it is made
-                assert world == 2 and ag_out.device.type == "cpu", "produced gathers: RingBackend.produce_all_gather"
+                assert world == 2 and ag_out.is_cpu, "produced gathers: RingBackend.produce_all_gather"
                 works = [post(t, transport, peer) for post, t, peer in ops[:n_receives]]
                 for w, (post, piece, peer) in zip(messages, ops[n_receives:]):
                     producer(piece, w)
@@ -271,7 +271,7 @@ class _P2PGather:
             recvs, self._rest = [], [(w, sources[0]) for w in works]
         # NB: wait_chunk and consume share the receives, release_shard and
         # consume the sends: a gloo Work may be waited for once only.
-        self._recvs = _Receives(recvs, self._what, group, on_cpu=ag_out.device.type == "cpu")
+        self._recvs = _Receives(recvs, self._what, group, on_cpu=ag_out.is_cpu)
         # NB: gloo's receives, one Work each (NCCL: none; the batch's one Work
         # is in _rest): ``bool(self._recvs)`` without its __len__ frame.
         self._per_receive = bool(recvs)
@@ -342,7 +342,7 @@ class _P2PGather:
         self._recvs.watch()
 
     def landed(self) -> bool | None:
-        if self._per_receive or self._chunks.device.type == "cpu":
+        if self._per_receive or self._chunks.is_cpu:
             return self._recvs.landed()
         return all(work.is_completed() for work, _ in self._rest)  # NCCL's one Work: its CUDA event
 
@@ -585,7 +585,7 @@ class _InterleavedAllReduce:
         partials = [links.irecv(piece) for piece in partial_pieces]
         self._reduced = _Receives(
             [(links.irecv(piece), self._peer) for piece in self._peer_pieces],
-            links.what, group, on_cpu=out.device.type == "cpu",
+            links.what, group, on_cpu=out.is_cpu,
         )
         self._sends = []
         # This rank's partial sums of the peer's chunk are made and sent from
@@ -1014,7 +1014,7 @@ def _post(
     """Post ``(_isend or _irecv, tensor, peer)`` in order: one Work each on
     CPU (gloo), one ``batch_isend_irecv`` on ``group`` elsewhere, which NCCL
     coalesces."""
-    if not ops or ops[0][1].device.type == "cpu":
+    if not ops or ops[0][1].is_cpu:
         return [post(t, transport, peer) for post, t, peer in ops]
     p2p = {_isend: dist.isend, _irecv: dist.irecv}
     return dist.batch_isend_irecv([dist.P2POp(p2p[post], t, group=group, group_peer=peer) for post, t, peer in ops])
