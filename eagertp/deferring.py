@@ -100,7 +100,7 @@ class Deferring:
         # the call (benchmarks/NOTES.md, "2026-12-04 at 83dc4f9"; one per deferred op).
         # The sizes as separate arguments: torch's parser first tries a sequence
         # of them as one int, raising (and catching) a TypeError, a third of the
-        # call (benchmarks/NOTES.md, "2026-12-05: a placeholder's sizes").
+        # call (benchmarks/NOTES.md, "2026-12-05 at 6498d38").
         if not shape:
             out = like.new_empty(()) if dtype is None or dtype is like.dtype else like.new_empty((), dtype=dtype)
         else:
