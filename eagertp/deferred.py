@@ -1151,10 +1151,7 @@ class PendingStore:
         owner[storage_key(product.out)] = product
         for sv in product.scatter_views:
             owner[storage_key(sv.tensor)] = product
-        inputs = self._inputs
-        for t in product.inputs():  # NB: _read()'s, one frame shorter
-            key = storage_key(t)
-            inputs[key] = inputs.get(key, 0) + 1
+        self._read(product.inputs())
 
     def add_epilogue(self, product: PendingMatmul, epilogue: Epilogue) -> None:
         """An in-place op on ``product``'s output, kept with it (Note [Epilogues])."""
@@ -1203,20 +1200,11 @@ class PendingStore:
                 del owner[storage_key(t)]
             if not item.shard_in_out():
                 self.stop_sending(item)
-            self._release(item.inputs())
-            return
-        # NB: the hot path: every product read, or taken by its collective.
-        del owner[storage_key(item.out)]
-        for sv in item.scatter_views:
-            del owner[storage_key(sv.tensor)]
-        inputs = self._inputs
-        for t in item.inputs():  # NB: _release()'s, one frame shorter
-            key = storage_key(t)
-            n = inputs[key] - 1
-            if n:
-                inputs[key] = n
-            else:
-                del inputs[key]
+        else:  # NB: the hot path: every product read, or taken by its collective
+            del owner[storage_key(item.out)]
+            for sv in item.scatter_views:
+                del owner[storage_key(sv.tensor)]
+        self._release(item.inputs())
 
     def _read(self, tensors: Iterable[torch.Tensor]) -> None:
         """Pending work reads ``tensors`` (once more each)."""
