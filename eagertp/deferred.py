@@ -438,7 +438,7 @@ class ScatterView:
     world: int
 
     def fill(self, mm_out: torch.Tensor) -> None:
-        torch.cat(mm_out.view(self.shape).chunk(self.world, self.dim), 0, out=self.tensor)
+        torch.cat(mm_out.view(*self.shape).chunk(self.world, self.dim), 0, out=self.tensor)  # NB: sizes apart
 
 
 class _Standalone:

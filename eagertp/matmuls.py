@@ -98,7 +98,7 @@ def _batched(engine: Engine, func, args, kwargs):
         as_mm = _as_mm(*args)
         if as_mm is not None:
             a, b, shape = as_mm
-            return engine.defer_matmul(aten.mm.default, (a, b), {}, a, b).view(shape)
+            return engine.defer_matmul(aten.mm.default, (a, b), {}, a, b).view(*shape)  # NB: sizes apart (3-d)
     if engine.store.items:
         engine.complete_for(func, args, kwargs)
     return engine.run_matmul(func, args, kwargs)
