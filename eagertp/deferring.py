@@ -101,10 +101,8 @@ class Deferring:
         # The sizes as separate arguments: torch's parser first tries a sequence
         # of them as one int, raising (and catching) a TypeError, a third of the
         # call (benchmarks/NOTES.md, "2026-12-05 at 6498d38").
-        if not shape:
-            out = like.new_empty(()) if dtype is None or dtype is like.dtype else like.new_empty((), dtype=dtype)
-        else:
-            out = like.new_empty(*shape) if dtype is None or dtype is like.dtype else like.new_empty(*shape, dtype=dtype)
+        sizes = shape or ((),)  # NB: no size at all is a 0-dim tensor's: new_empty() needs one argument
+        out = like.new_empty(*sizes) if dtype is None or dtype is like.dtype else like.new_empty(*sizes, dtype=dtype)
         if self.poison:
             out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
         return out
@@ -352,10 +350,7 @@ class Deferring:
                 self.complete_owners(tensor_leaves(args, kwargs), func, why_not)
             elif gather is None:
                 self.complete_for(func, args, kwargs)
-        if self.poison or out_dtype is not a.dtype:
-            out = self.placeholder(a, (a.shape[0], b.shape[1]), out_dtype)
-        else:  # NB: placeholder()'s, one frame shorter: every deferred matmul
-            out = a.new_empty(a.shape[0], b.shape[1])
+        out = self.placeholder(a, (a.shape[0], b.shape[1]), out_dtype)
         if gather is None and scaled is None:  # NB: the hot path: a standalone matmul, fewer arguments to parse
             mm = PendingMatmul(func, a, b, out, self.store.next_tid(), bias)
         else:
