@@ -479,13 +479,9 @@ class Engine(Deferring, Accounting):
                 with IssuingWork(self):  # NB: issuing_work(), one frame shorter
                     # NB: the item alone (a read of one gather): nothing in flight, no frame to say so.
                     ordered = items if len(self.store.items) == 1 else self._with_work_in_flight(items, keep)
-                    failure = self._complete_items(ordered, items, reason)
-                break
-        else:
-            self._complete_products(items)
-            return
-        if failure is not None:
-            raise failure
+                    self._complete_items(ordered, items, reason)
+                return
+        self._complete_products(items)
 
     def _complete_products(self, items: list[Product]) -> None:
         """``complete`` of products alone, the hot path (a read of products):
@@ -496,17 +492,15 @@ class Engine(Deferring, Accounting):
         was_issuing, self.issuing = self.issuing, True
         try:
             with torch._C._AutoDispatchBelowADInplaceOrView():
-                failure = self._complete_items(items, items, "")
+                self._complete_items(items, items, "")
         finally:
             self.issuing = was_issuing
-        if failure is not None:
-            raise failure
 
-    def _complete_items(self, ordered: list[Pending], items: list[Pending], reason: str | Reason) -> BaseException | None:
+    def _complete_items(self, ordered: list[Pending], items: list[Pending], reason: str | Reason) -> None:
         """``complete``'s work on ``ordered`` (``items`` and the work in flight
         before their gathers). Completes every item even if one fails, so that
-        no placeholder is left unfilled and no transfer half-received; returns
-        the first failure, for the caller to raise."""
+        no placeholder is left unfilled and no transfer half-received, then
+        raises the first failure."""
         failure: BaseException | None = None
         for item in ordered:
             if item not in self.store.items:
@@ -533,9 +527,17 @@ class Engine(Deferring, Accounting):
                         and not item.absorbed
                     ):  # read whole, nothing issued since its deferral: Note [Deferrals that gained nothing]
                         self.read_whole_now[item.ordinal] = (item.op, item.a.shape, item.b.shape)
-            except BaseException as e:  # noqa: B036 - returned, raised by the caller
+            except BaseException as e:  # noqa: B036 - raised once every item is complete
                 failure = failure or e
-        return failure
+        if failure is not None:
+            try:
+                raise failure
+            finally:
+                # NB: its traceback holds this frame: a frame that still held
+                # it would keep the block's pending work, tensors and mode in a
+                # reference cycle (Note [Freed without the garbage collector]
+                # in eagertp.deferred), as concurrent.futures' Future does.
+                failure = None
 
     def _with_work_in_flight(self, items: list[Pending], keep: Sequence[Pending] = ()) -> list[Pending]:
         """``items``, each gather preceded by every standalone product still

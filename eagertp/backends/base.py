@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import traceback
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -309,6 +311,43 @@ def wait_for_peer(work: dist.Work, what: Text, group: dist.ProcessGroup, peer: i
         work.wait()
     except RuntimeError as e:
         raise peer_error(e, what, group, peer) from e
+
+
+# Note [Failures handed between threads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A helper thread (the ring's forwarder, a gather's watcher) keeps its failure
+# for the consuming thread to raise. An exception kept by an object must hold
+# no frames: its traceback's frames hold that object (``self``) and, through
+# ``f_back``, every caller's locals, a reference cycle that keeps the block's
+# pending work and tensors until Python's garbage collector runs (Note [Freed
+# without the garbage collector] in eagertp.deferred). So the thread keeps it
+# with its frames written into a note (``kept_from_thread``), and every
+# consuming thread raises a copy (``raise_kept``), whose traceback is that
+# thread's own and which nothing keeps.
+
+
+def kept_from_thread(e: BaseException) -> BaseException:
+    """``e``, raised on a helper thread, to keep for ``raise_kept``: Note
+    [Failures handed between threads]."""
+    e.add_note("raised on eagertp's helper thread:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
+    chained: BaseException | None = e
+    while chained is not None and chained.__traceback__ is not None:  # NB: gloo's error, the cause, holds them too
+        chained.__traceback__ = None
+        chained = chained.__cause__ or chained.__context__
+    return e
+
+
+def raise_kept(e: BaseException) -> NoReturn:
+    """Raise a failure ``kept_from_thread`` kept, as a copy (with its cause and
+    notes): Note [Failures handed between threads]."""
+    try:
+        raised = copy.copy(e)
+    except Exception:  # noqa: BLE001 - an exception type that does not copy: raised itself
+        raised = e
+    try:
+        raise raised from e.__cause__
+    finally:
+        raised = e = None  # NB: its traceback holds this frame
 
 
 def _global_rank(group: dist.ProcessGroup, peer: int) -> str:

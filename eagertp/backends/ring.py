@@ -91,7 +91,9 @@ from eagertp.backends.base import (
     check_gather_buffers,
     check_scatter_buffers,
     chunk_rows,
+    kept_from_thread,
     peer_error,
+    raise_kept,
     reduce_scatter_then_gather,
     piece_dim,
     shard_piece,
@@ -415,7 +417,7 @@ class _ThreadedRing:
                     return
                 self._drive(p)
         except BaseException as e:  # noqa: B036 - handed to consume(), which raises it
-            self._failure = e
+            self._failure = kept_from_thread(e)
         finally:
             self._helper_done.set()
 
@@ -432,7 +434,7 @@ class _ThreadedRing:
             self._stop = True
             self._helper_done.wait()
         if self._failure is not None:
-            raise self._failure
+            raise_kept(self._failure)
         while self._driven <= p:
             self._drive(self._driven)
 
@@ -653,7 +655,7 @@ class _Receives:
         self._landed[i].wait()  # NB: bounded: the watcher's waits time out as ours would
         if self._count <= i:
             assert self._failure is not None, "the watcher stopped early without a failure"
-            raise self._failure
+            raise_kept(self._failure)
 
     def _receive_next(self) -> None:
         """Wait for receive ``count`` (Note [Waiting on a peer]): on one thread
@@ -680,7 +682,7 @@ class _Receives:
                 self._receive_next()
                 self._landed[self._count - 1].set()
         except BaseException as e:  # noqa: B036 - raised by wait() on the consuming thread
-            self._failure = e
+            self._failure = kept_from_thread(e)
         finally:
             for event in self._landed:
                 event.set()
