@@ -17,6 +17,7 @@ completes what it must through the engine's completion (``complete``,
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -281,7 +282,9 @@ class Deferring:
         if self.trace.recording:  # Note [The ordered trace when asked] in eagertp.trace
             self.trace.event("{} #{} of the block run at once: the block before read it whole", func, ordinal)
         out = self.run_matmul(func, args, kwargs)
-        self.ran_at_once[storage_key(out)] = ordinal
+        # NB: with its storage's lifetime: a later storage at a freed one's
+        # address (the allocator reuses them at once) is none of this matmul's.
+        self.ran_at_once[storage_key(out)] = (ordinal, weakref.ref(out.untyped_storage()))
         return out
 
     def not_pending_reason(self, inp: torch.Tensor) -> str:
@@ -290,9 +293,9 @@ class Deferring:
         that gained nothing]; that one defers again from the next block)."""
         if not self.ran_at_once:
             return "its input is not the pending output of a matmul"
-        ordinal = self.ran_at_once.get(storage_key(inp))
-        if ordinal is not None:
-            self.read_whole_now.pop(ordinal, None)
+        ran = self.ran_at_once.get(storage_key(inp))
+        if ran is not None and ran[1]() is not None:  # NB: that storage is still alive: inp's
+            self.read_whole_now.pop(ran[0], None)
             return (
                 "its input is the output of a matmul run at once, since the block before read it whole "
                 "(Note [Deferrals that gained nothing]); from the next block on it defers"

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -112,8 +113,8 @@ class Engine(Deferring, Accounting):
         self.read_whole_now: dict[int, tuple] = {}
         self.matmul_ordinal = 0
         self._stats_before: dict[str, int] | None = None
-        # This block's matmuls run at once: output storage -> place.
-        self.ran_at_once: dict[int, int] = {}
+        # This block's matmuls run at once: output storage -> (place, that storage).
+        self.ran_at_once: dict[int, tuple[int, weakref.ref]] = {}
 
     def reset(self) -> None:
         self.stats.clear()

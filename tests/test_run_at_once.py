@@ -113,6 +113,46 @@ def test_a_matmul_run_at_once_that_a_collective_takes_defers_from_the_next_block
         ), blocks[5][3]
 
 
+def _reused_address_worker(rank, group):
+    """Each block: a matmul read whole (from the second block on it runs at
+    once), its output freed, then an all-reduce of a new tensor of its size,
+    which the allocator tends to place at the freed output's address."""
+    from eagertp.deferred import storage_key
+
+    a = integer_tensor((8, 8), torch.float32, seed=rank)
+    b = integer_tensor((8, 8), torch.float32, seed=100 + rank)
+    pipe = EagerMicroPipeline()
+    blocks = []
+    for _ in range(8):
+        with pipe:
+            y = a @ b
+            y.relu()
+            freed = storage_key(y)
+            del y
+            tried = []  # NB: kept, so each try is a new allocation
+            while len(tried) < 16 and (not tried or storage_key(tried[-1]) != freed):
+                tried.append(torch.full((8, 8), float(rank)))
+            all_reduce(tried[-1], group)
+        blocks.append((storage_key(tried[-1]) == freed, dict(pipe.stats), pipe.explain()))
+    return blocks
+
+
+def test_a_new_tensor_at_a_freed_output_address_is_not_that_matmuls_output(pool):
+    """The matmul run at once is told apart by its storage's lifetime, not
+    its address alone: a collective on another tensor, where the freed
+    output was, neither names it in its reason nor makes it defer again
+    (which it would from then on every other block)."""
+    for blocks in pool.run(_reused_address_worker, 2):
+        assert any(reused for reused, _, _ in blocks[1:]), "the allocator never reused the freed output's address"
+        assert [stats for _, stats, _ in blocks] == [{"unfused_all_reduce": 1}] + [
+            {"matmuls_run_at_once": 1, "unfused_all_reduce": 1}
+        ] * 7, blocks
+        for _, _, explained in blocks[1:]:
+            assert "not fused [ring]: its input is not the pending output of a matmul (1 matmuls ran at once" in (
+                explained
+            ), explained
+
+
 def _exception_worker(rank, group):
     a = integer_tensor((8, 8), torch.float32, seed=rank)
     b = integer_tensor((8, 8), torch.float32, seed=100 + rank)
