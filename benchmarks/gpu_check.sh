@@ -23,12 +23,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$python" -c "import torch; print('torch', torch.__version__, '| CUDA:', torch.cuda.is_available() and torch.cuda.get_device_name())"
 
 status=0
-if "$python" -c "import pytest, expecttest, hypothesis" 2>/dev/null; then
+# NB: what tests/test_cuda.py imports, and no more (hypothesis is the CPU suite's).
+if "$python" -c "import pytest, expecttest" 2>/dev/null; then
   # The CUDA cases only: their CPU twins run in the CPU suite, and gpu_check.py runs below.
   (cd tests && timeout 240 "$python" -m pytest -q -rs -p no:cacheprovider test_cuda.py \
     -k "not on_cpu and not gpu_check" 2>&1 | tee "$out/test_cuda.log") || status=1
 else
-  echo "gpu_check: the CUDA tests need the test extra (pip install -e '.[test]'); skipping them" \
+  echo "gpu_check: the CUDA tests need pytest and expecttest (pip install -e '.[test]'); skipping them" \
     | tee "$out/test_cuda.log"
   status=1
 fi
