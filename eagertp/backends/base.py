@@ -329,7 +329,8 @@ def wait_for_peer(work: dist.Work, what: Text, group: dist.ProcessGroup, peer: i
 def kept_from_thread(e: BaseException) -> BaseException:
     """``e``, raised on a helper thread, to keep for ``raise_kept``: Note
     [Failures handed between threads]."""
-    e.add_note("raised on eagertp's helper thread:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
+    if hasattr(e, "add_note"):  # NB: Python >= 3.11; on 3.10 the thread's frames are dropped unsaid
+        e.add_note("raised on eagertp's helper thread:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
     chained: BaseException | None = e
     while chained is not None and chained.__traceback__ is not None:  # NB: gloo's error, the cause, holds them too
         chained.__traceback__ = None
