@@ -196,6 +196,9 @@ MIN_FUSE_BYTES = [0, 100, 200]
     steps=programs(), autocast=st.booleans(), min_fuse_bytes=st.sampled_from(MIN_FUSE_BYTES),
     world=st.sampled_from(WORLDS), small_pieces=st.booleans(), batch=st.sampled_from([1, 2]),
 )
+# Found here: a batch of one cut in 2 is one piece, and cat() of it was taken for
+# a reshuffle over one rank (tests/test_matmul_reduce_scatter.py, "reshuffle").
+@example(steps=["linear", "cat_batch", "scatter"], autocast=False, min_fuse_bytes=0, world=2, small_pieces=False, batch=1)
 @pytest.mark.parametrize("backend", BOTH_BACKENDS)
 def test_random_programs_match_plain_eager(pool, backend, steps, autocast, min_fuse_bytes, world, small_pieces, batch):
     """On the ring, and through torch's own symmetric-memory primitives

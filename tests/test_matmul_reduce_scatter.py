@@ -128,6 +128,45 @@ def test_unfused_reduce_scatter_uses_the_ring_with_reason(pool, read_first):
     assert_expected_inline(results[0]["explain"], """reduce_scatter(sum) #0 f32[4, 6] -> f32[2, 6] on group '2' (2 ranks): not fused [ring]: its input is not the pending output of a matmul""")
 
 
+def _short_reshuffle_worker(rank, group, in_shape, chunks, dim):
+    """``cat(y.chunk(chunks, dim), 0)`` of a matmul output, then a
+    reduce-scatter over the group: funcol's reshuffle for a scatter along
+    ``dim`` when ``chunks`` is the group's size, but here ``chunk`` made
+    another number of pieces (a batch of one cut in 2: one piece; or cut for
+    2 ranks, scattered over 4)."""
+    h = integer_tensor(in_shape, torch.float32, seed=rank)
+    w = integer_tensor((in_shape[-1], 8), torch.float32, seed=100 + rank)
+
+    def program():
+        y = F.linear(h, w.t())
+        return reduce_scatter(torch.cat(y.chunk(chunks, dim), 0).reshape(-1, 8), group)
+
+    expected = program()
+    with OpCounter() as counter, EagerMicroPipeline() as pipe:
+        got = program()
+    return {"ok": torch.equal(got, expected), "explain": pipe.explain(), **fusion_report(pipe, counter)}
+
+
+@pytest.mark.parametrize(
+    "world, in_shape, chunks, dim, reason",
+    [
+        (2, (1, 8, 8), 2, 0, "its input is not the pending output of a matmul"),  # a copy: cat of one piece
+        (4, (2, 8, 8), 2, 1, "its input is the matmul output f32[16, 8] cut into 2 chunk(s) along dim 1 and "
+         "concatenated, not into the group's 4"),
+    ],
+    ids=["batch-of-one", "cut-for-2-on-4"],
+)
+def test_a_reshuffle_for_another_number_of_ranks_is_scattered_unfused(pool, world, in_shape, chunks, dim, reason):
+    """It fused as if the chunks were the group's, and the ring read past the
+    product's rows (a crash) or posted other messages than its peers
+    (tests/test_fuzz.py found it)."""
+    for r in pool.run(_short_reshuffle_worker, world, in_shape, chunks, dim):
+        assert r["ok"], r
+        assert r["stats"] == {"unfused_reduce_scatter": 1}, r
+        assert r["plain_reduce_scatters"] == 0 and r["p2p_ops"] > 0, r  # the ring's protocol (Invariant 2)
+        assert r["explain"].endswith(f"not fused [ring]: {reason}"), r["explain"]
+
+
 def _mixed_worker(rank, group):
     """Rank 0 reads the matmul output before its reduce-scatter; rank 1 fuses."""
     h = integer_tensor((4, 8), torch.float32, seed=rank)

@@ -113,7 +113,7 @@ def all_reduce(
     # (Note [Products past their collective]: float8's amax all-reduces).
     record = engine.new_record(kind, inp, result, group, marks_past=engine.store.touched([inp]) is not None)
     found = engine.store.standalone_output(inp) if engine.store.items else None
-    why_not = engine.not_pending_reason(inp) if found is None else _why_not_fuse_all_reduce(found, shard)
+    why_not = engine.not_pending_reason(inp) if found is None else _why_not_fuse_all_reduce(found, shard, world)
     if why_not is None:
         product, _ = found
         if in_place:  # the all-reduce overwrites its output: nothing reads the product after
@@ -194,10 +194,10 @@ def _why_all_reduce_as_written(
     return None
 
 
-def _why_not_fuse_all_reduce(found: tuple[Product, ScatterView | None], shard: torch.Tensor) -> str | None:
+def _why_not_fuse_all_reduce(found: tuple[Product, ScatterView | None], shard: torch.Tensor, world: int) -> str | None:
     """Why the ring all-reduce of ``inp``, a pending product's output (or a
     view of one), cannot produce its chunks from it, if it cannot (then it
     copies them from ``inp``)."""
     if found[1] is not None:
         return "its input is not the pending output of a matmul"
-    return why_not_produce(found, shard)
+    return why_not_produce(found, shard, world)

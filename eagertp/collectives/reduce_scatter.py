@@ -64,7 +64,7 @@ def reduce_scatter(
     # NB: one that reads no pending product marks none past its collective.
     record = engine.new_record(kind, inp, out, group, marks_past=engine.store.touched([inp]) is not None)
     found = engine.store.standalone_output(inp) if engine.store.items else None
-    why_not = why_not_produce(found, out) if found is not None else engine.not_pending_reason(inp)
+    why_not = why_not_produce(found, out, world) if found is not None else engine.not_pending_reason(inp)
     if found is not None and why_not is None:
         product, scatter_view = found
         engine.complete_before(func, product)  # NB: before the scatter allocates its buffers
@@ -117,9 +117,17 @@ def _run_scatter(engine: Engine, plan: ReduceScatterPlan) -> str:
     return label
 
 
-def why_not_produce(found: tuple[Product, ScatterView | None], out: torch.Tensor) -> str | None:
-    """Why a reduce-scatter cannot produce its chunks from this product, if it cannot."""
+def why_not_produce(found: tuple[Product, ScatterView | None], out: torch.Tensor, world: int) -> str | None:
+    """Why a reduce-scatter over ``world`` ranks cannot produce its chunks from
+    this product, if it cannot."""
     product, scatter_view = found
+    if scatter_view is not None and scatter_view.world != world:
+        # NB: cat(y.chunk(W, d), 0) is funcol's reshuffle for W ranks; chunk()
+        # makes fewer pieces where dim d is short (a batch of one).
+        return (
+            f"its input is the matmul output {tensor_str(product.out)} cut into {scatter_view.world} "
+            f"chunk(s) along dim {scatter_view.dim} and concatenated, not into the group's {world}"
+        )
     if scatter_view is None and out.numel() % product.out.shape[1]:
         return (
             f"its chunks {tensor_str(out)} are not whole rows of the matmul output "
