@@ -463,7 +463,7 @@ class Deferring:
             if self.trace.recording:
                 self.trace.event("${}: {} = cat(${}.chunk({}), {})", view.tid, Meta.of(view.tensor), owner.tid, world, dim)
             return view.tensor
-        if dim != 0 or world < 2:  # NB: a cat of one tensor is a copy (chunk() of a dim too short to cut)
+        if dim != 0:
             return None
         mm = owner
         for split_dim in range(1, tensors[0].dim()):

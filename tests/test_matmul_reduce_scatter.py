@@ -150,8 +150,8 @@ def _short_reshuffle_worker(rank, group, in_shape, chunks, dim):
 @pytest.mark.parametrize(
     "world, in_shape, chunks, dim, reason",
     [
-        (2, (1, 8, 8), 2, 0, "its input is not the pending output of a matmul"),  # a copy: cat of one piece
-        (4, (2, 8, 8), 2, 1, "its input is the matmul output f32[16, 8] cut into 2 chunk(s) along dim 1 and "
+        (2, (1, 8, 8), 2, 0, "its input is a copy of the matmul output f32[8, 8], not cut into 2 chunks"),
+        (4, (2, 8, 8), 2, 1, "its input is the matmul output f32[16, 8] cut into 2 chunks along dim 1 and "
          "concatenated, not into the group's 4"),
     ],
     ids=["batch-of-one", "cut-for-2-on-4"],

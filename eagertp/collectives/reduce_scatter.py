@@ -123,10 +123,12 @@ def why_not_produce(found: tuple[Product, ScatterView | None], out: torch.Tensor
     product, scatter_view = found
     if scatter_view is not None and scatter_view.world != world:
         # NB: cat(y.chunk(W, d), 0) is funcol's reshuffle for W ranks; chunk()
-        # makes fewer pieces where dim d is short (a batch of one).
+        # makes fewer pieces where dim d is short (a batch of one: one piece).
+        if scatter_view.world == 1:
+            return f"its input is a copy of the matmul output {tensor_str(product.out)}, not cut into {world} chunks"
         return (
             f"its input is the matmul output {tensor_str(product.out)} cut into {scatter_view.world} "
-            f"chunk(s) along dim {scatter_view.dim} and concatenated, not into the group's {world}"
+            f"chunks along dim {scatter_view.dim} and concatenated, not into the group's {world}"
         )
     if scatter_view is None and out.numel() % product.out.shape[1]:
         return (
