@@ -26,6 +26,35 @@ def integer_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randint(-3, 4, shape, generator=g, device="cpu").to(torch.get_default_device(), dtype)
 
 
+class _CorruptedGather:
+    """A ring gather's handle whose consume() then corrupts one element of the
+    gathered tensor. A wrapper, not ``consume`` replaced by a closure over the
+    handle's own method: that would be a reference cycle of the test's making."""
+
+    def __init__(self, handle, out: torch.Tensor, corrupt: bool) -> None:
+        self._handle, self._out, self._corrupt = handle, out, corrupt
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def consume(self, consumer, **kwargs) -> None:
+        self._handle.consume(consumer, **kwargs)
+        if self._corrupt:
+            self._out.view(-1)[0] += 1
+
+
+def corrupt_rank0_gathers(pipe) -> None:
+    """``pipe``'s ring, then one wrong element in rank 0's copy of every
+    gathered tensor: ``verify=True`` must catch it."""
+    from eagertp.backends.ring import RingBackend
+
+    class CorruptingRing(RingBackend):
+        def start_all_gather(self, shard, ag_out, group):
+            return _CorruptedGather(super().start_all_gather(shard, ag_out, group), ag_out, group.rank() == 0)
+
+    pipe._engine.backend._instances["ring"] = CorruptingRing()  # what "auto" picks for CPU tensors
+
+
 def left_in_cycles(fn, *, tensors: bool = True):
     """``fn()``'s result, and the objects of eagertp's (and, with ``tensors``,
     the tensors) it left in reference cycles, by type name: what Python's

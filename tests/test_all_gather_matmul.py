@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DTYPES, OpCounter, PlainCollectives, all_gather, async_wrapper_ops, fusion_report, integer_tensor, random_tensor
+from helpers import (
+    DTYPES, OpCounter, PlainCollectives, all_gather, async_wrapper_ops, corrupt_rank0_gathers, fusion_report,
+    integer_tensor, random_tensor,
+)
 from symm_mem_emulation import BOTH_BACKENDS, assert_moved_by, run_on
 
 from eagertp import EagerMicroPipeline
@@ -564,28 +567,12 @@ def test_fused_call_visible_in_profiler(pool):
 
 def _verify_worker(rank, group, corrupt):
     from eagertp import VerificationError
-    from eagertp.backends.ring import RingBackend
-
-    class CorruptingRing(RingBackend):
-        """The ring, then one wrong element in rank 0's copy of the gathered tensor."""
-
-        def start_all_gather(self, shard, ag_out, group):
-            handle = super().start_all_gather(shard, ag_out, group)
-            consume = handle.consume
-
-            def consume_then_corrupt(consumer, **kwargs):
-                consume(consumer, **kwargs)
-                if group.rank() == 0:
-                    ag_out.view(-1)[0] += 1
-
-            handle.consume = consume_then_corrupt
-            return handle
 
     x, (w,) = _inputs(rank, (4, 8), 6, torch.float32, True)
     expected = all_gather(x, group) @ w
     pipe = EagerMicroPipeline(verify=True)
     if corrupt:
-        pipe._engine.backend._instances["ring"] = CorruptingRing()  # what "auto" picks for CPU tensors
+        corrupt_rank0_gathers(pipe)
     try:
         with pipe:
             y = all_gather(x, group) @ w

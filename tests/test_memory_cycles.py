@@ -14,7 +14,9 @@ import argparse
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FP8, NEEDS_ROWWISE_SCALED_MM, all_gather, col_major, integer_tensor, left_in_cycles
+from helpers import (
+    FP8, NEEDS_ROWWISE_SCALED_MM, all_gather, col_major, corrupt_rank0_gathers, integer_tensor, left_in_cycles,
+)
 
 from eagertp import EagerMicroPipeline
 
@@ -114,35 +116,12 @@ def test_nothing_of_ours_is_left_in_reference_cycles(pool, program, fused):
         assert r["left"] == {}, f"left in reference cycles after one step of {program}: {r['left']}"
 
 
-class _CorruptedGather:
-    """A ring gather's handle whose consume() then corrupts one element of
-    the gathered tensor (rank 0): verify's comparison fails at completion. A
-    wrapper, not ``consume`` replaced by a closure over the handle's own
-    method, which would be a cycle of the test's making."""
-
-    def __init__(self, handle, out, corrupt: bool) -> None:
-        self._handle, self._out, self._corrupt = handle, out, corrupt
-
-    def __getattr__(self, name):
-        return getattr(self._handle, name)
-
-    def consume(self, consumer, **kwargs) -> None:
-        self._handle.consume(consumer, **kwargs)
-        if self._corrupt:
-            self._out.view(-1)[0] += 1
-
-
 def _failed_verify_worker(rank, group):
     from eagertp import VerificationError
-    from eagertp.backends.ring import RingBackend
-
-    class CorruptingRing(RingBackend):
-        def start_all_gather(self, shard, ag_out, group):
-            return _CorruptedGather(super().start_all_gather(shard, ag_out, group), ag_out, group.rank() == 0)
 
     x, w = integer_tensor((4, 8), torch.float32, seed=rank), integer_tensor((8, 6), torch.float32, seed=5)
     pipe = EagerMicroPipeline(verify=True, min_fuse_bytes=0)
-    pipe._engine.backend._instances["ring"] = CorruptingRing()  # what "auto" picks for CPU tensors
+    corrupt_rank0_gathers(pipe)
 
     def step():
         try:
